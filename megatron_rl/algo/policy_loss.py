@@ -1,0 +1,339 @@
+"""Per-token policy loss (PPO-clip, KL, entropy), token weights, and aggregation.
+
+One source of truth for the loss math: the fused vocab-parallel op (``megatron_rl.ops``)
+computes per-token ``logp`` and entropy, calls :func:`compute_policy_loss` on those
+``[T]`` tensors with autograd, and chains the gradients into the logits.
+
+Per valid token (``r = exp(logp - old_logp)``, ``w`` the TR-GRPO weight or 1):
+
+    pg  = max(-A * w r, -A * clip(w r, 1 - eps_low, 1 + eps_high))
+    pg  = min(pg, -A * c)                      if A < 0 and dual-clip is on
+    l   = pg + kl_coef * w * kl(logp, ref)     - entropy_coef * H      (placement "ratio")
+    l   = w * (pg + kl_coef * kl(logp, ref))   - entropy_coef * H      (placement "loss")
+
+Departures from the papers (see docs/algorithms.md): the log-ratio is clamped to
+[-20, 20] before ``exp`` so an extreme token cannot turn the loss into inf/NaN (only
+tokens whose ratio is already far outside the clip range are affected).
+
+Aggregation contract: every call returns ``(loss_sum, count, metrics)``. The caller sums
+``loss_sum`` and ``count`` over micro-batches and data-parallel ranks and divides once,
+so the result does not depend on the batch layout (except ``reference_microbatch_mean``,
+which reproduces the AR/Lopti reference code's per-micro-batch mean on purpose). Each
+mode is linear in the per-token loss: ``loss_sum = sum_t coef_t * l_t``.
+
+    token_mean               coef = 1                count = valid tokens
+    seq_mean_token_mean      coef = 1 / n_i          count = sequences
+    seq_mean_token_sum_norm  coef = 1                count = sequences * constant_normalizer
+    reference_microbatch_mean coef = 1 / n_microbatch count = 1 per micro-batch
+
+Metrics are ``{name: tensor([sum, count], float64)}`` so they too reduce by summing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from megatron_rl.algo.config import AlgorithmConfig
+from megatron_rl.algo.token_weights import (
+    advantage_reweight,
+    lopti_split,
+    stapo_candidates,
+    stapo_entropy_threshold,
+    stapo_spurious_mask,
+    tr_grpo_weight,
+)
+
+LoptiPhase = Literal["low", "high"]
+LOG_RATIO_CLAMP = 20.0
+
+
+@dataclass
+class LossOutput:
+    """What every loss returns.
+
+    ``loss_sum``: 0-dim, differentiable, ``sum_t coef_t * l_t`` over this call's tokens.
+    ``count``: 0-dim float64, this call's share of the global normaliser.
+    ``metrics``: ``{name: tensor([sum, count], float64)}``, detached.
+    """
+
+    loss_sum: torch.Tensor
+    count: torch.Tensor
+    metrics: dict[str, torch.Tensor]
+
+
+def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> torch.Tensor:
+    """Per-token KL(current || ref) estimate; gradient flows through ``logp`` only.
+
+    ``k1 = logp - ref``; ``k2 = (logp - ref)^2 / 2``; ``k3 = exp(k) - k - 1`` with
+    ``k = clamp(ref - logp, -5, 5)`` and the result clamped to ``[-10, 10]``.
+    """
+    ref = ref_logp.detach()
+    if estimator == "k1":
+        return logp - ref
+    if estimator == "k2":
+        return 0.5 * (logp - ref) ** 2
+    if estimator == "k3":
+        k = torch.clamp(ref - logp, min=-5.0, max=5.0)
+        return torch.clamp(torch.exp(k) - k - 1.0, min=-10.0, max=10.0)
+    raise ValueError(f"unknown kl_estimator {estimator!r}; allowed: 'k1', 'k2', 'k3'")
+
+
+def ppo_clip_loss(
+    ratio: torch.Tensor,
+    advantages: torch.Tensor,
+    *,
+    eps_low: float,
+    eps_high: float,
+    dual_clip_c: float | None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Per-token clipped surrogate ``max(-A r, -A clip(r))``, dual-clipped at ``-A c`` for ``A < 0``.
+
+    Returns:
+        ``(loss [*S], flags)`` with bool ``[*S]`` flags ``clip_low`` (A<0, r<1-eps_low),
+        ``clip_high`` (A>0, r>1+eps_high) and ``clip_dual`` (A<0, surrogate capped at -A c).
+    """
+    l1 = -advantages * ratio
+    l2 = -advantages * torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high)
+    loss = torch.maximum(l1, l2)
+    negative = advantages < 0
+    flags = {
+        "clip_low": negative & (ratio < 1.0 - eps_low),
+        "clip_high": (advantages > 0) & (ratio > 1.0 + eps_high),
+    }
+    if dual_clip_c is not None:
+        cap = -advantages * dual_clip_c
+        flags["clip_dual"] = negative & (loss > cap)
+        loss = torch.where(negative, torch.minimum(loss, cap), loss)
+    else:
+        flags["clip_dual"] = torch.zeros_like(negative)
+    return loss, flags
+
+
+def prepare_advantages(
+    advantages: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor, config: AlgorithmConfig
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Once per RL step, before any update: apply Advantage Reweighting to token advantages.
+
+    Args:
+        advantages: ``[*S]`` token advantages (response advantage broadcast to its tokens).
+        old_logp: ``[*S]`` old-policy log-probs at the rollout temperature.
+        mask: ``[*S]`` valid response tokens.
+
+    Returns:
+        ``(advantages [*S], metrics)``; unchanged advantages when AR is off.
+    """
+    valid = mask.bool()
+    adv, weight = advantage_reweight(advantages, old_logp, valid, config.ar.alpha)
+    n = valid.sum().to(torch.float64)
+    metrics = {"loss/ar/weight_mean": _pair(weight.to(torch.float64)[valid].sum(), n)} if config.ar.enabled else {}
+    return adv, metrics
+
+
+def compute_policy_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    config: AlgorithmConfig,
+    *,
+    ref_logp: torch.Tensor | None = None,
+    entropy: torch.Tensor | None = None,
+    lopti_phase: LoptiPhase | None = None,
+    stapo_threshold: torch.Tensor | float | None = None,
+    seq_index: torch.Tensor | None = None,
+) -> LossOutput:
+    """Token-weighted policy loss of one micro-batch, as a sum plus its normaliser share.
+
+    Args:
+        logp: ``[*S]`` current-policy log-probs of the target tokens (differentiable).
+        old_logp: ``[*S]`` old-policy log-probs (constant).
+        advantages: ``[*S]`` token advantages, AR already applied (:func:`prepare_advantages`).
+        mask: ``[*S]`` valid response tokens (bool or 0/1). Values at invalid positions
+            are never used, so padding may hold anything, NaN included.
+        config: the ``algorithm`` config.
+        ref_logp: ``[*S]`` reference log-probs; required when ``kl_coef > 0``.
+        entropy: ``[*S]`` current full-distribution entropy; required by STAPO and the
+            entropy bonus (differentiable for the bonus).
+        lopti_phase: ``"low"``/``"high"`` when Lopti is on: only that set's tokens contribute
+            (PG, KL and entropy all masked to it); ``None`` otherwise.
+        stapo_threshold: STAPO ``tau_h`` computed over the whole mini-batch
+            (:func:`stapo_entropy_threshold` with the DP group); ``None`` computes it from this
+            call's tokens, exact only when the call sees the whole mini-batch.
+        seq_index: ``[*S]`` integer sequence id per token (packed layouts); ``None`` treats
+            each row of the last dimension as one sequence. Only the seq-mean modes use it.
+
+    Returns:
+        :class:`LossOutput`; divide the global sum of ``loss_sum`` by the global sum of
+        ``count`` (over micro-batches and the data-parallel group).
+    """
+    if logp.shape != old_logp.shape or logp.shape != advantages.shape or logp.shape != mask.shape:
+        raise ValueError(
+            "logp, old_logp, advantages and mask must share one shape; got "
+            f"{tuple(logp.shape)}, {tuple(old_logp.shape)}, {tuple(advantages.shape)}, {tuple(mask.shape)}"
+        )
+    valid = mask.bool()
+    zeros = torch.zeros_like(logp)
+    # Sanitise padding first: downstream exp/log of garbage would give 0 * inf = NaN gradients.
+    logp_v = torch.where(valid, logp, zeros)
+    old_v = torch.where(valid, old_logp.detach().to(logp.dtype), zeros)
+    adv_v = torch.where(valid, advantages.detach().to(logp.dtype), zeros)
+    num_valid = valid.sum().to(torch.float64)
+    metrics: dict[str, torch.Tensor] = {}
+
+    # Which tokens contribute to the numerator (``active``) and to the denominator (``counted``).
+    active, counted = valid, valid
+    if config.lopti.enabled:
+        if lopti_phase not in ("low", "high"):
+            raise ValueError(f"Lopti is enabled: lopti_phase must be 'low' or 'high', got {lopti_phase!r}")
+        low, high = lopti_split(old_v, valid, config.lopti.eta)
+        active = low if lopti_phase == "low" else high
+        counted = valid if config.lopti.denominator == "all" else active
+        metrics["loss/lopti/low_frac"] = _pair(low.sum(), num_valid)
+    elif lopti_phase is not None:
+        raise ValueError(f"lopti_phase={lopti_phase!r} given but algorithm.lopti.enabled is false")
+
+    entropy_v = None
+    if entropy is not None:
+        entropy_v = torch.where(valid, entropy, zeros)
+        metrics["loss/entropy"] = _pair(entropy_v.detach().to(torch.float64)[valid].sum(), num_valid)
+
+    if config.stapo.enabled:
+        if entropy_v is None:
+            raise ValueError("STAPO needs the current-policy entropy: pass entropy=")
+        cand = stapo_candidates(adv_v, logp_v, active, config.stapo.tau_p)
+        if stapo_threshold is None:
+            stapo_threshold = stapo_entropy_threshold(entropy_v, cand, config.stapo.entropy_quantile)
+        spurious = stapo_spurious_mask(cand, entropy_v, stapo_threshold)
+        active, counted = active & ~spurious, counted & ~spurious
+        metrics["loss/stapo/masked_frac"] = _pair(spurious.sum(), num_valid)
+
+    tr = config.tr_grpo
+    weight = tr_grpo_weight(logp_v, tr) if tr.enabled else None
+
+    log_ratio = torch.clamp(logp_v - old_v, min=-LOG_RATIO_CLAMP, max=LOG_RATIO_CLAMP)
+    ratio = torch.exp(log_ratio)
+    in_ratio = weight is not None and tr.placement == "ratio"
+    pg, flags = ppo_clip_loss(
+        weight * ratio if in_ratio else ratio,
+        adv_v,
+        eps_low=config.eps_low,
+        eps_high=config.eps_high,
+        dual_clip_c=config.dual_clip_c,
+    )
+    per_token = pg
+    if config.kl_coef > 0.0:
+        if ref_logp is None:
+            raise ValueError("kl_coef > 0 needs the reference log-probs: pass ref_logp=")
+        ref_v = torch.where(valid, ref_logp.detach().to(logp.dtype), zeros)
+        kl = kl_penalty(logp_v, ref_v, config.kl_estimator)
+        per_token = per_token + config.kl_coef * (weight * kl if in_ratio else kl)
+        metrics["loss/ref_kl"] = _masked_pair(kl, active)
+    if weight is not None and tr.placement == "loss":
+        per_token = weight * per_token
+    if config.entropy_coef > 0.0:
+        if entropy_v is None:
+            raise ValueError("entropy_coef > 0 needs the current-policy entropy: pass entropy=")
+        per_token = per_token - config.entropy_coef * entropy_v
+
+    coef, count = _aggregation(counted, valid, config, seq_index)
+    loss_sum = torch.where(active, coef.to(per_token.dtype) * per_token, zeros).sum()
+
+    n_active = active.sum().to(torch.float64)
+    metrics["loss/pg_loss"] = _masked_pair(pg, active)
+    for name in ("clip_low", "clip_high", "clip_dual"):
+        metrics[f"loss/clip_frac/{name[5:]}"] = _pair((flags[name] & active).sum(), n_active)
+    # k3 estimate of KL(old || current) on the tokens being trained: r - 1 - log r >= 0.
+    metrics["loss/approx_kl"] = _masked_pair(ratio - 1.0 - log_ratio, active)
+    if weight is not None:
+        metrics["loss/tr_grpo/weight_mean"] = _masked_pair(weight, active)
+    metrics["loss/active_tokens"] = _pair(n_active, torch.tensor(1.0, dtype=torch.float64))
+    return LossOutput(loss_sum=loss_sum, count=count, metrics=metrics)
+
+
+def _aggregation(
+    counted: torch.Tensor, valid: torch.Tensor, config: AlgorithmConfig, seq_index: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token coefficients ``[*S]`` and this call's normaliser share (see module docstring)."""
+    mode = config.aggregation
+    ones = torch.ones(counted.shape, dtype=torch.float64, device=counted.device)
+    if mode == "token_mean":
+        return ones, counted.sum().to(torch.float64)
+    if mode == "reference_microbatch_mean":
+        n = counted.sum().to(torch.float64).clamp(min=1.0)
+        return ones / n, torch.tensor(1.0, dtype=torch.float64)
+    seq, num_seqs = _sequence_ids(counted, seq_index)
+    if mode == "seq_mean_token_mean":
+        per_seq = torch.zeros(num_seqs, dtype=torch.float64, device=counted.device)
+        per_seq.index_add_(0, seq[counted], ones[counted])
+        coef = torch.zeros_like(ones)
+        coef[counted] = 1.0 / per_seq[seq[counted]]
+        # Tokens active but not counted cannot occur here: every active token is counted.
+        return coef, (per_seq > 0).sum().to(torch.float64)
+    if mode == "seq_mean_token_sum_norm":
+        has_valid = torch.zeros(num_seqs, dtype=torch.bool, device=counted.device)
+        has_valid[seq[valid]] = True
+        return ones, has_valid.sum().to(torch.float64) * float(config.constant_normalizer)
+    raise ValueError(f"unknown aggregation {mode!r}")
+
+
+def _sequence_ids(mask: torch.Tensor, seq_index: torch.Tensor | None) -> tuple[torch.Tensor, int]:
+    """Dense sequence id per token ``[*S]`` (int64) and the number of ids."""
+    if seq_index is None:
+        if mask.dim() == 0:
+            raise ValueError("seq-mean aggregation needs [..., T] tensors or seq_index")
+        rows = mask.numel() // mask.shape[-1] if mask.shape[-1] else 0
+        ids = torch.arange(rows, device=mask.device).repeat_interleave(mask.shape[-1]).reshape(mask.shape)
+        return ids, rows
+    if seq_index.shape != mask.shape:
+        raise ValueError(f"seq_index shape {tuple(seq_index.shape)} != token shape {tuple(mask.shape)}")
+    uniq, inverse = torch.unique(seq_index, return_inverse=True)
+    return inverse.reshape(mask.shape), int(uniq.numel())
+
+
+def _pair(total: torch.Tensor | float, count: torch.Tensor | float) -> torch.Tensor:
+    return torch.stack(
+        [torch.as_tensor(total, dtype=torch.float64).detach(), torch.as_tensor(count, dtype=torch.float64)]
+    )
+
+
+def _masked_pair(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return _pair(values.detach().to(torch.float64)[mask].sum(), mask.sum())
+
+
+def merge_metrics(parts: Iterable[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Sum ``{name: [sum, count]}`` metric dicts (micro-batches; then all-reduce over DP)."""
+    out: dict[str, torch.Tensor] = {}
+    for part in parts:
+        for name, pair in part.items():
+            out[name] = out[name] + pair if name in out else pair.clone()
+    return out
+
+
+def finalize_metrics(merged: Mapping[str, torch.Tensor]) -> dict[str, float]:
+    """``sum / count`` per metric; metrics with no tokens are left out rather than reported as 0.
+
+    ``loss/active_tokens`` keeps its raw sum (a count, not a mean).
+    """
+    out: dict[str, float] = {}
+    for name, pair in merged.items():
+        if name == "loss/active_tokens":
+            out[name] = float(pair[0])
+        elif float(pair[1]) > 0:
+            out[name] = float(pair[0] / pair[1])
+    return out
+
+
+__all__ = [
+    "LossOutput",
+    "compute_policy_loss",
+    "finalize_metrics",
+    "kl_penalty",
+    "merge_metrics",
+    "ppo_clip_loss",
+    "prepare_advantages",
+    "stapo_entropy_threshold",
+]

@@ -1,0 +1,61 @@
+"""Packaging for megatron_rl.
+
+torch is pinned exactly: any range that admits a newer release lets pip resolve a
+CUDA build with several GB of NVIDIA packages on a CPU machine, and megatron-core
+0.16 is only tested here against 2.13.0.
+"""
+
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+HERE = Path(__file__).parent
+
+# Versions this project is built and tested against (CPU CI and the GPU notes in
+# docs/benchmarks.md). Upper bounds stop a silent major-version drift.
+INSTALL_REQUIRES = [
+    "torch==2.13.0",
+    "megatron-core>=0.16.1,<0.17",
+    "psutil>=5.9",  # megatron dist-checkpointing needs it but does not declare it
+    "numpy>=1.26",
+    "ray>=2.60,<2.61",
+    "transformers>=5.23,<5.24",
+    "safetensors>=0.8,<0.9",
+    "tokenizers>=0.23,<0.24",
+    "pyyaml>=6.0",
+    "wandb>=0.31,<0.32",
+    "rich>=13",
+    "math-verify>=0.9,<0.10",
+]
+
+EXTRAS_REQUIRE = {
+    # CUDA machines only: none of these has a CPU wheel.
+    "gpu": [
+        "transformer-engine[pytorch]>=2.8",
+        "vllm>=0.11",
+        "nvidia-modelopt>=0.37",
+    ],
+    "test": [
+        "pytest>=8",
+        "pytest-timeout>=2.3",
+        "hypothesis>=6.100",
+    ],
+}
+
+setup(
+    name="megatron_rl",
+    version="0.1.0",
+    description=(
+        "Megatron-core RL post-training (GRPO family) with token-weighted policy losses "
+        "fused into the vocab-parallel cross-entropy."
+    ),
+    long_description=(HERE / "README.md").read_text(encoding="utf-8") if (HERE / "README.md").exists() else "",
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["megatron_rl", "megatron_rl.*"]),
+    include_package_data=True,
+    install_requires=INSTALL_REQUIRES,
+    extras_require=EXTRAS_REQUIRE,
+    entry_points={"console_scripts": ["megatron-rl=megatron_rl.cli:main"]},
+    license="Apache-2.0",
+)

@@ -1,0 +1,164 @@
+"""The ``megatron-rl`` command line: in-process ``main([...])`` for speed, a few real subprocesses.
+
+Every test points ``trainer.output_dir`` at ``tmp_path`` so nothing is written into the repo.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from megatron_rl import cli
+from megatron_rl.config import load_run_config
+from megatron_rl.configlib import to_dict
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLE = str(REPO / "examples" / "tiny_cpu.yaml")
+
+
+def _dry_run_args(tmp_path: Path, *overrides: str) -> list[str]:
+    return ["train", EXAMPLE, f"trainer.output_dir={tmp_path}", *overrides, "--dry-run"]
+
+
+def _run_module(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run(
+        [sys.executable, "-m", "megatron_rl", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300
+    )
+
+
+# --------------------------------------------------------------------------- in-process
+
+
+def test_dry_run_prints_and_saves_resolved_config(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(_dry_run_args(tmp_path, "trainer.lr=3e-4")) == 0
+    out, err = capsys.readouterr()
+    expected = load_run_config(EXAMPLE, [f"trainer.output_dir={tmp_path}", "trainer.lr=3e-4"])
+    assert yaml.safe_load(out) == to_dict(expected)  # stdout is plain YAML when not a terminal
+    saved = tmp_path / "tiny_cpu" / "config.yaml"
+    assert load_run_config(saved) == expected
+    assert "TP 1 x PP 1" in err and str(saved) in err
+
+
+def test_dry_run_on_a_terminal_uses_rich(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: True)
+    assert cli.main(_dry_run_args(tmp_path)) == 0
+    assert "tiny_cpu" in capsys.readouterr().out
+
+
+def test_warnings_are_printed_as_one_line(tmp_path, capsys):
+    assert cli.main(_dry_run_args(tmp_path, "algorithm.constant_normalizer=64")) == 0
+    err = capsys.readouterr().err
+    assert "warning: config field 'algorithm.constant_normalizer'" in err
+    assert "ConfigWarning" not in err  # no file:line noise for users
+
+
+def test_typo_key_exits_2_with_suggestion(tmp_path, capsys):
+    assert cli.main(_dry_run_args(tmp_path, "trainer.lrr=1e-6")) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: config field 'trainer.lrr'")
+    assert "did you mean 'lr'?" in err and "Traceback" not in err
+    assert not (tmp_path / "tiny_cpu").exists()
+
+
+def test_out_of_range_exits_2_naming_field(tmp_path, capsys):
+    assert cli.main(_dry_run_args(tmp_path, "algorithm.ar.alpha=2")) == 2
+    err = capsys.readouterr().err
+    assert "algorithm.ar.alpha" in err and "[0.0, 1.0]" in err
+
+
+def test_unknown_advantage_estimator_lists_registered(tmp_path, capsys):
+    from megatron_rl.algo import advantages
+
+    assert cli.main(_dry_run_args(tmp_path, "algorithm.advantage.estimator=grpoo")) == 2
+    err = capsys.readouterr().err
+    assert "error: config field 'algorithm.advantage.estimator'" in err and "grpoo" in err
+    for name in advantages.registered_advantages():
+        assert name in err
+
+
+def test_missing_config_file_exits_2(tmp_path, capsys):
+    assert cli.main(["train", str(tmp_path / "nope.yaml"), "--dry-run"]) == 2
+    assert "nope.yaml" in capsys.readouterr().err
+
+
+def test_malformed_override_exits_2(tmp_path, capsys):
+    assert cli.main(_dry_run_args(tmp_path, "trainer.lr")) == 2
+    assert "malformed override" in capsys.readouterr().err
+
+
+def test_train_without_dry_run_refuses_clearly(tmp_path, capsys):
+    assert cli.main(["train", EXAMPLE, f"trainer.output_dir={tmp_path}"]) == 1
+    err = capsys.readouterr().err
+    assert "--dry-run" in err and "later release" in err
+    assert not (tmp_path / "tiny_cpu").exists()
+
+
+def test_train_without_dry_run_still_validates(tmp_path, capsys):
+    assert cli.main(["train", EXAMPLE, f"trainer.output_dir={tmp_path}", "rollout.top_p=2"]) == 2
+    assert "rollout.top_p" in capsys.readouterr().err
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as info:
+        cli.main(["--version"])
+    assert info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"megatron-rl {importlib.metadata.version('megatron_rl')}"
+
+
+def test_no_subcommand_prints_help_and_exits_2(capsys):
+    assert cli.main([]) == 2
+    assert "train" in capsys.readouterr().err
+
+
+def test_register_subcommand(monkeypatch, capsys):
+    monkeypatch.setattr(cli, "SUBCOMMANDS", dict(cli.SUBCOMMANDS))
+
+    def add_arguments(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--name", default="world")
+
+    def run(args: argparse.Namespace) -> int:
+        print(f"hello {args.name}")
+        return 0
+
+    cli.register_subcommand("hello", help="say hello", add_arguments=add_arguments, run=run)
+    assert cli.main(["hello", "--name", "rl"]) == 0
+    assert capsys.readouterr().out == "hello rl\n"
+    with pytest.raises(ValueError, match="already registered"):
+        cli.register_subcommand("train", help="x", add_arguments=add_arguments, run=run)
+
+
+# --------------------------------------------------------------------------- subprocess
+
+
+def test_module_dry_run_subprocess(tmp_path):
+    proc = _run_module(*_dry_run_args(tmp_path), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert yaml.safe_load(proc.stdout)["logging"]["run_name"] == "tiny_cpu"
+    assert (tmp_path / "tiny_cpu" / "config.yaml").is_file()
+
+
+def test_module_typo_exits_2_subprocess(tmp_path):
+    proc = _run_module(*_dry_run_args(tmp_path, "rollout.num_sample_per_prompt=2"), cwd=tmp_path)
+    assert proc.returncode == 2
+    assert "rollout.num_sample_per_prompt" in proc.stderr and "num_samples_per_prompt" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_module_out_of_range_subprocess(tmp_path):
+    proc = _run_module(*_dry_run_args(tmp_path, "algorithm.ar.alpha=2"), cwd=tmp_path)
+    assert proc.returncode != 0
+    assert "algorithm.ar.alpha" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_module_version_subprocess(tmp_path):
+    proc = _run_module("--version", cwd=tmp_path)
+    assert proc.returncode == 0 and proc.stdout.startswith("megatron-rl ")
