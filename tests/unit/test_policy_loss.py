@@ -21,6 +21,7 @@ from megatron_rl.algo import (
     merge_metrics,
     prepare_advantages,
 )
+from tests.loss_cases import LOSS_CASES, lopti_phase_for
 
 # ---------------------------------------------------------------- hand-computed cases
 
@@ -260,28 +261,7 @@ def reference(lp, old, adv, mask, cfg, ref=None, ent=None, phase=None):
     return total / count, g_lp, g_h
 
 
-CONFIGS = {
-    "grpo": AlgorithmConfig(),
-    "grpo_kl_k3_entropy": AlgorithmConfig(kl_coef=0.3, entropy_coef=0.05),
-    "kl_k1": AlgorithmConfig(kl_coef=0.2, kl_estimator="k1"),
-    "kl_k2_no_dual": AlgorithmConfig(kl_coef=0.2, kl_estimator="k2", dual_clip_c=None),
-    "seq_mean": AlgorithmConfig(aggregation="seq_mean_token_mean", kl_coef=0.1),
-    "dr_grpo_norm": AlgorithmConfig(aggregation="seq_mean_token_sum_norm", constant_normalizer=9),
-    "microbatch_mean": AlgorithmConfig(aggregation="reference_microbatch_mean"),
-    "lopti_low": AlgorithmConfig(lopti=LoptiConfig(enabled=True, eta=0.3), kl_coef=0.1, entropy_coef=0.01),
-    "lopti_high_phase_den": AlgorithmConfig(lopti=LoptiConfig(enabled=True, eta=0.3, denominator="phase")),
-    "tr_ratio": AlgorithmConfig(tr_grpo=TRGRPOConfig(enabled=True, tau=0.7, lower=0.2, upper=1.2), kl_coef=0.2),
-    "tr_loss": AlgorithmConfig(tr_grpo=TRGRPOConfig(enabled=True, placement="loss", alpha=1.5), kl_coef=0.2),
-    "stapo": AlgorithmConfig(stapo=STAPOConfig(enabled=True, tau_p=0.2, entropy_quantile=0.6), eps_high=0.28),
-    "all_composed": AlgorithmConfig(
-        lopti=LoptiConfig(enabled=True, eta=0.5),
-        tr_grpo=TRGRPOConfig(enabled=True),
-        stapo=STAPOConfig(enabled=True, tau_p=0.3),
-        kl_coef=0.05,
-        entropy_coef=0.02,
-        aggregation="seq_mean_token_mean",
-    ),
-}
+CONFIGS = LOSS_CASES
 
 
 def random_batch(seed, rows=5, cols=9):
@@ -303,7 +283,7 @@ def random_batch(seed, rows=5, cols=9):
 def test_matches_independent_float64_reference(name, dtype, seed):
     cfg = CONFIGS[name]
     lp, old, ref, adv, ent, mask = random_batch(seed)
-    phase = ("high" if "high" in name else "low") if cfg.lopti.enabled else None
+    phase = lopti_phase_for(name, cfg)
     want, want_glp, want_gh = reference(
         lp.tolist(), old.tolist(), adv.tolist(), mask.tolist(), cfg, ref.tolist(), ent.tolist(), phase
     )

@@ -1,0 +1,410 @@
+"""The fused vocab-parallel token-weighted policy loss.
+
+One pass of statistics over TP-sharded logits gives each token's log-prob and entropy
+(:mod:`megatron_rl.ops.vocab_parallel`, one all-gather of ``[T, 4]`` on the TP group).
+The loss itself is the ``algo/`` loss, run with autograd on those ``[T]`` tensors only:
+ONE source of truth for PPO-clip, KL, entropy, AR/Lopti/TR-GRPO/STAPO and aggregation.
+Its gradients ``dL/dlogp`` and ``dL/dH`` are then chained into the logits analytically,
+chunk by chunk (``dlogp/dz = onehot - p``, ``dH/dz = -p (log p + H)``), rebuilding each
+chunk's softmax from the stored per-token max and log-sum-exp. So:
+
+- no ``[T, V]`` float32 buffer beyond one chunk is ever alive, whatever the logits' dtype;
+- nothing is gathered across TP, and no collective runs in backward;
+- the gradient w.r.t. the logits is computed during forward (when gradients are enabled)
+  and only scaled by the incoming gradient in backward.
+
+Fused-linear mode takes the last hidden states and this rank's lm-head shard instead,
+and multiplies per chunk, so the logits never exist in full: the extra memory is one
+chunk plus the ``[T, H]`` hidden-state gradient. The hidden-state gradient is a partial
+sum per vocabulary shard and is all-reduced over the TP group (in forward, once).
+
+Shapes: any leading shape ``[*S]`` for per-token tensors; logits ``[*S, V_local]``,
+hidden ``[*S, H]``, lm-head weight ``[V_local, H]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl.algo.config import AlgorithmConfig
+from megatron_rl.algo.policy_loss import LossOutput, LoptiPhase, compute_policy_loss
+from megatron_rl.ops.vocab_parallel import (
+    ChunkWorkspace,
+    SoftmaxStats,
+    VocabShard,
+    chunk_rows,
+    logit_grad_chunk,
+    softmax_stats,
+    tp_rank_and_size,
+)
+
+
+@dataclass(kw_only=True)
+class VocabParallelOptions:
+    """How the vocab-parallel logits are laid out and processed."""
+
+    temperature: float = 1.0
+    """Logits are divided by it (use the rollout temperature so ``logp`` matches the sampler)."""
+
+    tp_group: dist.ProcessGroup | None = None
+    """Tensor-parallel group holding the vocabulary shards (``None``: one shard)."""
+
+    vocab_size: int | None = None
+    """True global vocabulary size; columns beyond it are TP padding (``None``: no padding)."""
+
+    chunk_tokens: int | None = None
+    """Tokens processed per chunk (``None``: about 4 MiB of float32 logits per chunk)."""
+
+    grad_in_place: bool = True
+    """Scale the precomputed logit gradient in place in backward, so no second logits-sized
+    buffer is allocated; allows one backward per forward. ``False`` allocates the scaled
+    gradient instead and allows repeated backward (``retain_graph``, ``gradcheck``)."""
+
+    def __post_init__(self) -> None:
+        if not self.temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {self.temperature}")
+
+
+@dataclass
+class LossInputs:
+    """Per-token inputs of the loss, all ``[*S]`` (see ``compute_policy_loss``)."""
+
+    targets: torch.Tensor
+    old_logp: torch.Tensor
+    advantages: torch.Tensor
+    mask: torch.Tensor
+    ref_logp: torch.Tensor | None = None
+    lopti_phase: LoptiPhase | None = None
+    stapo_threshold: torch.Tensor | float | None = None
+    seq_index: torch.Tensor | None = None
+
+
+# ----------------------------------------------------------------------------- forward-only
+
+
+@torch.no_grad()
+def vocab_parallel_logprobs(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    mask: torch.Tensor | None = None,
+    options: VocabParallelOptions | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Target log-probs and full-distribution entropies from vocab-parallel logits.
+
+    Args:
+        logits: ``[*S, V_local]`` this rank's vocabulary shard (any float dtype).
+        targets: ``[*S]`` global target ids; masked-out positions may hold anything (-100).
+        mask: ``[*S]`` tokens to compute (default all); others return 0.
+        options: temperature, TP group (one all-gather), vocab padding, chunking.
+
+    Returns:
+        ``(logp, entropy)``, float32 ``[*S]``, identical on all ranks of the TP group.
+    """
+    options = options or VocabParallelOptions()
+    flat = logits.reshape(-1, logits.shape[-1])
+    stats = _stats(lambda sl: flat[sl], targets, mask, flat.shape[-1], options, logits.dtype)
+    return stats.logp.reshape(targets.shape), stats.entropy.reshape(targets.shape)
+
+
+@torch.no_grad()
+def vocab_parallel_logprobs_from_hidden(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    mask: torch.Tensor | None = None,
+    options: VocabParallelOptions | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`vocab_parallel_logprobs` from hidden states ``[*S, H]`` and the lm-head shard
+    ``[V_local, H]``, multiplying chunk by chunk (the logits never exist in full)."""
+    options = options or VocabParallelOptions()
+    h = hidden.reshape(-1, hidden.shape[-1])
+    stats = _stats(lambda sl: h[sl] @ weight.t(), targets, mask, weight.shape[0], options, hidden.dtype)
+    return stats.logp.reshape(targets.shape), stats.entropy.reshape(targets.shape)
+
+
+def _stats(
+    chunk_logits, targets, mask, vocab_local, options: VocabParallelOptions, dtype, workspace=None
+) -> SoftmaxStats:
+    flat_targets = targets.reshape(-1).long()
+    valid = torch.ones_like(flat_targets, dtype=torch.bool) if mask is None else mask.reshape(-1).bool()
+    return softmax_stats(
+        chunk_logits,
+        flat_targets,
+        valid,
+        vocab_local=vocab_local,
+        temperature=options.temperature,
+        tp_group=options.tp_group,
+        vocab_size=options.vocab_size,
+        chunk_tokens=options.chunk_tokens,
+        compute_dtype=compute_dtype(dtype),
+        workspace=workspace,
+    )
+
+
+def _workspace(num_tokens: int, vocab_local: int, options: VocabParallelOptions, dtype, device) -> ChunkWorkspace | None:
+    """One workspace shared by the stats and gradient passes (``None`` for a padding-only rank)."""
+    shard = VocabShard.of(vocab_local, options.tp_group, options.vocab_size)
+    if shard.num_valid == 0:
+        return None
+    rows = chunk_rows(num_tokens, vocab_local, options.chunk_tokens)
+    return ChunkWorkspace(rows, shard.num_valid, compute_dtype(dtype), device)
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float64 for float64 inputs, float32 for everything narrower (bf16, fp16, fp32)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+# ----------------------------------------------------------------------------- the loss on [T]
+
+
+def _loss_on_tokens(
+    stats: SoftmaxStats, inputs: LossInputs, config: AlgorithmConfig, need_grad: bool
+) -> tuple[LossOutput, torch.Tensor | None, torch.Tensor | None]:
+    """Run the ``algo/`` loss with autograd on the ``[T]`` log-probs and entropies.
+
+    Returns the loss output (``loss_sum`` detached) and ``dL/dlogp``, ``dL/dH`` (``[T]``
+    float32; ``dL/dH`` is ``None`` when the loss does not depend on the entropy).
+    """
+    shape = inputs.targets.shape
+    logp = stats.logp.reshape(shape).detach().requires_grad_(need_grad)
+    entropy = stats.entropy.reshape(shape).detach()
+    entropy_needs_grad = need_grad and config.entropy_coef > 0.0
+    entropy.requires_grad_(entropy_needs_grad)
+    with torch.enable_grad():
+        out = compute_policy_loss(
+            logp,
+            inputs.old_logp.to(logp.dtype),
+            inputs.advantages.to(logp.dtype),
+            inputs.mask,
+            config,
+            ref_logp=None if inputs.ref_logp is None else inputs.ref_logp.to(logp.dtype),
+            entropy=entropy,
+            lopti_phase=inputs.lopti_phase,
+            stapo_threshold=inputs.stapo_threshold,
+            seq_index=inputs.seq_index,
+        )
+        grad_logp = grad_entropy = None
+        if need_grad:
+            wrt = [logp, entropy] if entropy_needs_grad else [logp]
+            grads = torch.autograd.grad(out.loss_sum, wrt, allow_unused=True)
+            grad_logp = grads[0] if grads[0] is not None else torch.zeros_like(logp)
+            grad_logp = grad_logp.reshape(-1)
+            if entropy_needs_grad and grads[1] is not None:
+                grad_entropy = grads[1].reshape(-1)
+    out.loss_sum = out.loss_sum.detach()
+    return out, grad_logp, grad_entropy
+
+
+class _FusedPolicyLoss(torch.autograd.Function):
+    """Loss sum from logits ``[T, V_local]``; the logit gradient is built during forward."""
+
+    @staticmethod
+    def forward(ctx, logits, inputs: LossInputs, config: AlgorithmConfig, options: VocabParallelOptions, holder):
+        flat = logits.reshape(-1, logits.shape[-1])
+        ws = _workspace(flat.shape[0], flat.shape[-1], options, logits.dtype, logits.device)
+        stats = _stats(lambda sl: flat[sl], inputs.targets, inputs.mask, flat.shape[-1], options, logits.dtype, ws)
+        need_grad = logits.requires_grad
+        out, g_logp, g_ent = _loss_on_tokens(stats, inputs, config, need_grad)
+        holder["output"] = out
+        holder["stats"] = stats
+        if need_grad:
+            grad = torch.empty_like(flat)
+            num_valid = VocabShard.of(flat.shape[-1], options.tp_group, options.vocab_size).num_valid
+            direct = grad.dtype == compute_dtype(logits.dtype)  # write straight into the gradient
+            for sl, g in _grad_chunks(
+                lambda sl: flat[sl], stats, inputs, g_logp, g_ent, flat.shape[-1], options, ws,
+                out=grad if direct else None,
+            ):  # fmt: skip
+                if g is None:
+                    grad[sl] = 0
+                elif not direct:
+                    grad[sl, :num_valid].copy_(g)
+            if num_valid < flat.shape[-1]:
+                grad[:, num_valid:] = 0  # TP padding columns take no part in the loss
+            ctx.save_for_backward(grad)
+            ctx.logits_shape = logits.shape
+            ctx.in_place = options.grad_in_place
+            ctx.backward_done = False
+        return out.loss_sum.clone()
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        # The gradient buffer is scaled in place: a second backward (retain_graph=True)
+        # would scale it twice, so refuse it rather than return a wrong gradient.
+        if ctx.backward_done and ctx.in_place:
+            raise RuntimeError(
+                "fused_policy_loss supports one backward per forward with grad_in_place=True "
+                "(set VocabParallelOptions(grad_in_place=False) for retain_graph)"
+            )
+        ctx.backward_done = True
+        (grad,) = ctx.saved_tensors
+        scale = grad_output.to(grad.dtype)
+        grad = grad.mul_(scale) if ctx.in_place else grad * scale
+        return grad.reshape(ctx.logits_shape), None, None, None, None
+
+
+class _FusedLinearPolicyLoss(torch.autograd.Function):
+    """Loss sum from hidden ``[T, H]`` and the lm-head shard ``[V_local, H]``."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, inputs: LossInputs, config, options: VocabParallelOptions, holder, main_grad):
+        h = hidden.reshape(-1, hidden.shape[-1])
+        chunk = lambda sl: h[sl] @ weight.t()  # noqa: E731
+        ws = _workspace(h.shape[0], weight.shape[0], options, hidden.dtype, hidden.device)
+        stats = _stats(chunk, inputs.targets, inputs.mask, weight.shape[0], options, hidden.dtype, ws)
+        need_grad = hidden.requires_grad or weight.requires_grad
+        out, g_logp, g_ent = _loss_on_tokens(stats, inputs, config, need_grad)
+        holder["output"] = out
+        holder["stats"] = stats
+        if need_grad:
+            acc = compute_dtype(hidden.dtype)
+            grad_h = torch.zeros(h.shape, dtype=acc, device=h.device) if hidden.requires_grad else None
+            grad_w = None
+            if main_grad is not None:
+                grad_w = main_grad  # accumulate in place, like megatron's gradient_accumulation_fusion
+            elif weight.requires_grad:
+                grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device)
+            num_valid = VocabShard.of(weight.shape[0], options.tp_group, options.vocab_size).num_valid
+            w_valid = weight[:num_valid].to(acc)
+            for sl, g in _grad_chunks(chunk, stats, inputs, g_logp, g_ent, weight.shape[0], options, ws):
+                if g is None:
+                    continue
+                if grad_h is not None:
+                    torch.matmul(g, w_valid, out=grad_h[sl])
+                if grad_w is not None:
+                    grad_w[:num_valid].addmm_(g.t(), h[sl].to(acc))
+            _, tp_size = tp_rank_and_size(options.tp_group)
+            if grad_h is not None and tp_size > 1:
+                # Each rank's vocabulary shard contributes a partial dL/dh: sum them.
+                dist.all_reduce(grad_h, group=options.tp_group)
+            ctx.save_for_backward(
+                grad_h.to(hidden.dtype) if grad_h is not None else None,
+                grad_w.to(weight.dtype) if grad_w is not None and main_grad is None else None,
+            )
+            ctx.hidden_shape = hidden.shape
+        return out.loss_sum.clone()
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        grad_h, grad_w = ctx.saved_tensors
+        if grad_h is not None:
+            grad_h = (grad_h * grad_output.to(grad_h.dtype)).reshape(ctx.hidden_shape)
+        if grad_w is not None:
+            grad_w = grad_w * grad_output.to(grad_w.dtype)
+        return grad_h, grad_w, None, None, None, None, None
+
+
+def _grad_chunks(chunk_logits, stats, inputs: LossInputs, g_logp, g_ent, vocab_local, options, ws, out=None):
+    """Yield ``(token slice, dL/dlogits of the chunk's real columns)`` over all tokens.
+
+    The gradient is ``[n, V_valid]`` in the compute dtype (written into ``out[sl, :V_valid]``
+    when ``out`` is given), with masked-out rows zeroed; ``None`` on a padding-only rank.
+    Each yielded tensor is only valid until the next one (it may live in ``ws``).
+    """
+    shard = VocabShard.of(vocab_local, options.tp_group, options.vocab_size)
+    targets = inputs.targets.reshape(-1).long()
+    valid = inputs.mask.reshape(-1).bool()
+    num_tokens = targets.shape[0]
+    rows = chunk_rows(num_tokens, vocab_local, options.chunk_tokens)
+    if shard.num_valid == 0:
+        for begin in range(0, num_tokens, rows):
+            yield slice(begin, min(begin + rows, num_tokens)), None
+        return
+    inv_t = 1.0 / options.temperature
+    local_target = targets - shard.start
+    owned = valid & (local_target >= 0) & (local_target < shard.num_valid)
+    tgt_local = local_target.clamp(0, shard.num_valid - 1)[:, None]
+    owned_grad = torch.where(owned, g_logp * inv_t, 0.0)
+    if g_ent is None:  # dL/dz = g_logp (onehot - p)
+        row_scale, row_shift = -g_logp * inv_t, None
+    else:  # ... - g_H p (log p + H)
+        row_scale, row_shift = -g_ent * inv_t, -(g_logp + g_ent * stats.entropy) * inv_t
+    for begin in range(0, num_tokens, rows):
+        sl = slice(begin, min(begin + rows, num_tokens))
+        g = logit_grad_chunk(
+            chunk_logits(sl)[:, : shard.num_valid], sl, stats, tgt_local, owned_grad, row_scale, row_shift,
+            inv_t=inv_t, workspace=ws, out=None if out is None else out[sl, : shard.num_valid],
+        )  # fmt: skip
+        invalid = ~valid[sl]
+        if bool(invalid.any()):  # assignment, not multiplication: padding rows may hold NaN
+            g[invalid] = 0
+        yield sl, g
+
+
+# ----------------------------------------------------------------------------- public API
+
+
+def fused_policy_loss(
+    logits: torch.Tensor,
+    inputs: LossInputs,
+    config: AlgorithmConfig,
+    options: VocabParallelOptions | None = None,
+) -> tuple[LossOutput, SoftmaxStats]:
+    """Token-weighted policy loss straight from vocab-parallel logits.
+
+    Args:
+        logits: ``[*S, V_local]`` this rank's vocabulary shard; any float dtype (the math
+            runs in float32 per chunk), differentiable.
+        inputs: targets, old/ref log-probs, advantages (AR applied), mask, Lopti phase,
+            STAPO threshold, sequence ids; all ``[*S]``.
+        config: the ``algorithm`` config (the loss math is ``algo.compute_policy_loss``).
+        options: temperature, TP group, vocab padding, chunk size.
+
+    Returns:
+        ``(LossOutput, SoftmaxStats)``: ``loss_sum`` differentiable w.r.t. ``logits``, ``count``
+        and metrics as in ``compute_policy_loss`` (identical on every TP rank); the
+        per-token log-probs and entropies (flattened ``[T]``, float32; float64 for float64 logits).
+    """
+    options = options or VocabParallelOptions()
+    _check_shapes(logits.shape[:-1], inputs)
+    holder: dict[str, Any] = {}
+    loss_sum = _FusedPolicyLoss.apply(logits, inputs, config, options, holder)
+    out: LossOutput = holder["output"]
+    out.loss_sum = loss_sum
+    return out, holder["stats"]
+
+
+def fused_linear_policy_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    inputs: LossInputs,
+    config: AlgorithmConfig,
+    options: VocabParallelOptions | None = None,
+    *,
+    weight_main_grad: torch.Tensor | None = None,
+) -> tuple[LossOutput, SoftmaxStats]:
+    """:func:`fused_policy_loss` from hidden states ``[*S, H]`` and the lm-head shard
+    ``[V_local, H]``; differentiable w.r.t. both. The hidden-state gradient is summed over
+    the TP group (all-reduce in forward); the weight gradient is this shard's own.
+
+    ``weight_main_grad``: a preallocated ``[V_local, H]`` buffer (megatron DDP's
+    ``main_grad``) into which ``dL/dW`` is accumulated during forward, UNSCALED by the
+    upstream gradient (call ``backward`` on ``loss_sum`` itself and divide by the global
+    count afterwards, as megatron's ``calculate_per_token_loss`` does); the weight then
+    gets no ``.grad`` from this op. Saves a weight-sized temporary.
+    """
+    options = options or VocabParallelOptions()
+    _check_shapes(hidden.shape[:-1], inputs)
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(f"weight must be [V_local, {hidden.shape[-1]}], got {tuple(weight.shape)}")
+    holder: dict[str, Any] = {}
+    if weight_main_grad is not None and weight_main_grad.shape != weight.shape:
+        raise ValueError(f"weight_main_grad shape {tuple(weight_main_grad.shape)} != weight {tuple(weight.shape)}")
+    loss_sum = _FusedLinearPolicyLoss.apply(hidden, weight, inputs, config, options, holder, weight_main_grad)
+    out: LossOutput = holder["output"]
+    out.loss_sum = loss_sum
+    return out, holder["stats"]
+
+
+def _check_shapes(token_shape: torch.Size, inputs: LossInputs) -> None:
+    for name in ("targets", "old_logp", "advantages", "mask", "ref_logp", "seq_index"):
+        t = getattr(inputs, name)
+        if t is not None and t.shape != token_shape:
+            raise ValueError(f"inputs.{name} has shape {tuple(t.shape)}; the logits' token shape is {tuple(token_shape)}")
