@@ -1,6 +1,8 @@
 """The ``megatron-rl`` command line: one entry point with subcommands.
 
     megatron-rl train CONFIG [section.field=value ...] [--dry-run]
+    megatron-rl convert hf-to-mcore --hf DIR --out DIR [--tp N --pp M]
+    megatron-rl convert mcore-to-hf --mcore DIR --out DIR [--hf-config DIR]
     megatron-rl --version
 
 Subcommands live in a small registry (:func:`register_subcommand`), so ``convert``,
@@ -199,6 +201,29 @@ register_subcommand(
     help="train a policy with RL from a run config (--dry-run: validate and save the config only)",
     add_arguments=_add_train_arguments,
     run=_run_train,
+)
+
+
+# --------------------------------------------------------------------------- convert
+
+
+def _add_convert_arguments(parser: argparse.ArgumentParser) -> None:
+    from megatron_rl import convert  # imports torch (about 1 s), not megatron-core
+
+    convert.add_arguments(parser)
+
+
+def _run_convert(args: argparse.Namespace) -> int:
+    from megatron_rl import convert
+
+    return convert.run(args)
+
+
+register_subcommand(
+    "convert",
+    help="convert checkpoints: hf-to-mcore (HF safetensors -> megatron dist-checkpoint) or mcore-to-hf",
+    add_arguments=_add_convert_arguments,
+    run=_run_convert,
 )
 
 

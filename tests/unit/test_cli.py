@@ -162,3 +162,12 @@ def test_module_out_of_range_subprocess(tmp_path):
 def test_module_version_subprocess(tmp_path):
     proc = _run_module("--version", cwd=tmp_path)
     assert proc.returncode == 0 and proc.stdout.startswith("megatron-rl ")
+
+
+def test_convert_subcommand_is_registered_and_reports_bad_input(tmp_path, capsys):
+    assert "convert" in cli.SUBCOMMANDS
+    code = cli.main(["convert", "hf-to-mcore", "--hf", str(tmp_path / "missing"), "--out", str(tmp_path / "out")])
+    assert code == 1
+    err = capsys.readouterr().err
+    assert "error:" in err and "missing" in err
+    assert not (tmp_path / "out").exists()

@@ -1,0 +1,444 @@
+"""``megatron-rl convert``: HF safetensors <-> megatron-core dist-checkpoints, streaming.
+
+::
+
+    megatron-rl convert hf-to-mcore --hf /ckpt/Qwen2.5-7B-Instruct --out /ckpt/q7b-mcore --tp 4 --pp 1
+    megatron-rl convert mcore-to-hf --mcore /ckpt/q7b-mcore --out /ckpt/q7b-hf [--hf-config DIR]
+
+The Megatron side is a megatron-core ``torch_dist`` checkpoint whose keys and global
+shapes are those of ``GPTModel.sharded_state_dict()``, so ``dist_checkpointing.load``
+fills a GPTModel built at *any* TP/PP; ``--tp`` only chooses the vocabulary padding
+(rows rounded up to ``make_vocab_size_divisible_by * tp``; other sizes load too,
+megatron-core marks the embedding as ``allow_shape_mismatch``) and ``--tp/--pp`` are
+checked against the model's head, group and layer counts. The HF config, generation
+config and tokenizer files are kept in ``<out>/hf_config/`` for the way back.
+
+Both directions stream: one HF tensor (or one layer row of one Megatron tensor) is
+in memory at a time, never the model; see docs/conversion.md and
+``benchmarks/convert_memory.py``. Output appears atomically: everything is written
+into a temporary sibling directory that is renamed into place at the end and removed
+on any error. Bad input raises :class:`ConversionError` naming the file and tensor.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from megatron_rl.models import adapter_for_config, padded_vocab_size
+from megatron_rl.models.common import ConversionError, DecoderAdapter, ModelDims, WeightUnit
+from megatron_rl.models.hf_io import (
+    SafetensorsReader,
+    SafetensorsShardWriter,
+    TensorSpec,
+    copy_aux_files,
+    dtype_from_name,
+    read_config,
+)
+
+__all__ = [
+    "ConversionError",
+    "HfToMcoreOptions",
+    "McoreToHfOptions",
+    "ConversionSummary",
+    "hf_to_mcore",
+    "mcore_to_hf",
+    "add_arguments",
+    "add_hf_to_mcore_arguments",
+    "add_mcore_to_hf_arguments",
+    "run",
+]
+
+HF_CONFIG_SUBDIR = "hf_config"
+"""Where hf-to-mcore keeps config.json, generation_config.json and tokenizer files."""
+RECORD_FILE = "megatron_rl_conversion.json"
+"""Conversion record written next to the Megatron checkpoint (informational)."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class HfToMcoreOptions:
+    """Options of ``convert hf-to-mcore``."""
+
+    hf_dir: Path
+    """HF model directory: config.json + safetensors (index or single file)."""
+    out_dir: Path
+    """Output directory; must not exist or be empty."""
+    tp: int = 1
+    """Tensor-parallel size the checkpoint is padded and checked for (it loads at any TP)."""
+    pp: int = 1
+    """Pipeline-parallel size the layer count is checked against (it loads at any PP)."""
+    make_vocab_size_divisible_by: int = 128
+    """Embedding rows are padded to a multiple of this times ``tp`` (Megatron-LM convention)."""
+    dtype: str | None = None
+    """Cast every tensor to bf16/fp16/fp32; None keeps the HF dtypes."""
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "pp", "make_vocab_size_divisible_by"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.dtype is not None:
+            dtype_from_name(self.dtype)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class McoreToHfOptions:
+    """Options of ``convert mcore-to-hf``."""
+
+    mcore_dir: Path
+    """megatron-core torch_dist checkpoint directory (has metadata.json)."""
+    out_dir: Path
+    """Output directory; must not exist or be empty."""
+    hf_config_dir: Path | None = None
+    """Directory with config.json (+ generation/tokenizer files); default ``<mcore_dir>/hf_config``."""
+    max_shard_bytes: int = 5 * 10**9
+    """Upper bound of one safetensors shard (a larger single tensor gets its own shard)."""
+    dtype: str | None = None
+    """Cast every tensor to bf16/fp16/fp32; None keeps the checkpoint dtypes."""
+
+    def __post_init__(self) -> None:
+        if self.max_shard_bytes < 1:
+            raise ValueError(f"max_shard_bytes must be >= 1, got {self.max_shard_bytes}")
+        if self.dtype is not None:
+            dtype_from_name(self.dtype)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ConversionSummary:
+    """What a conversion wrote."""
+
+    out_dir: Path
+    model_type: str
+    num_tensors: int
+    """Megatron parameters (hf-to-mcore) or HF tensors (mcore-to-hf) written."""
+    tensor_bytes: int
+    seconds: float
+
+
+# ----------------------------------------------------------------------------- shared
+
+
+@contextlib.contextmanager
+def _atomic_output_dir(out_dir: Path) -> Iterator[Path]:
+    """Yield a temporary sibling of ``out_dir``; rename it into place on success, delete it on error."""
+    out_dir = Path(out_dir).absolute()
+    if out_dir.exists():
+        if not out_dir.is_dir():
+            raise ConversionError(f"output path {out_dir} exists and is not a directory")
+        if any(out_dir.iterdir()):
+            raise ConversionError(f"output directory {out_dir} is not empty")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp creates 0700
+    try:
+        yield tmp
+        # rename() replaces an empty directory atomically on POSIX.
+        os.rename(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _check_parallel(dims: ModelDims, tp: int, pp: int, padded_vocab: int) -> None:
+    checks = [
+        ("num_attention_heads", dims.num_attention_heads, "tensor", tp),
+        ("num_key_value_heads", dims.num_query_groups, "tensor", tp),
+        ("intermediate_size", dims.ffn_hidden_size, "tensor", tp),
+        ("padded vocab size", padded_vocab, "tensor", tp),
+        ("num_hidden_layers", dims.num_layers, "pipeline", pp),
+    ]
+    for what, value, kind, size in checks:
+        if value % size:
+            raise ConversionError(f"{what}={value} is not divisible by the {kind}-parallel size {size}")
+
+
+def _target_dtype(option: str | None, native: torch.dtype) -> torch.dtype:
+    return dtype_from_name(option) if option is not None else native
+
+
+# ----------------------------------------------------------------------------- hf -> mcore
+
+
+def _check_hf_tensors(reader: SafetensorsReader, units: list[WeightUnit], adapter: DecoderAdapter, cfg: dict) -> None:
+    """Every tensor the config implies exists with its shape; nothing else is present."""
+    expected = set()
+    for unit in units:
+        for name, shape in zip(unit.hf_names, unit.hf_shapes):
+            expected.add(name)
+            spec = reader.entries.get(name)
+            if spec is None:
+                raise ConversionError(
+                    f"HF checkpoint {reader.directory} is missing tensor '{name}' "
+                    f"(required by config.json: model_type={cfg.get('model_type')}, "
+                    f"num_hidden_layers={cfg.get('num_hidden_layers')})"
+                )
+            if spec.shape != tuple(shape):
+                if unit.kind == "vocab" and spec.shape[1:] == tuple(shape[1:]):
+                    raise ConversionError(
+                        f"vocab size mismatch: config.json has vocab_size={shape[0]} but tensor '{name}' "
+                        f"in {spec.file} has {spec.shape[0]} rows"
+                    )
+                raise ConversionError(
+                    f"tensor '{name}' in {spec.file} has shape {list(spec.shape)}; config.json implies {list(shape)}"
+                )
+        dtypes = {reader.entries[n].dtype for n in unit.hf_names}
+        if len(dtypes) > 1:
+            raise ConversionError(f"tensors {list(unit.hf_names)} have mixed dtypes {sorted(map(str, dtypes))}")
+    ignorable = adapter.ignorable_hf_names(cfg)
+    unexpected = sorted(n for n in reader.entries if n not in expected and not ignorable(n))
+    if unexpected:
+        first = reader.entries[unexpected[0]]
+        more = f" and {len(unexpected) - 1} more" if len(unexpected) > 1 else ""
+        raise ConversionError(
+            f"unexpected tensor '{first.name}' in {first.file}{more}: not part of a "
+            f"{cfg.get('model_type')} model with this config.json"
+        )
+
+
+def hf_to_mcore(options: HfToMcoreOptions) -> ConversionSummary:
+    """Convert an HF safetensors checkpoint into a megatron-core torch_dist checkpoint."""
+    from megatron_rl.models.mcore_io import write_checkpoint
+
+    start = time.perf_counter()
+    hf_dir = Path(options.hf_dir)
+    cfg = read_config(hf_dir)
+    adapter = adapter_for_config(cfg)
+    dims = adapter.dims(cfg)
+    vocab = padded_vocab_size(dims.vocab_size, tp_size=options.tp, divisible_by=options.make_vocab_size_divisible_by)
+    _check_parallel(dims, options.tp, options.pp, vocab)
+    units = adapter.weight_units(cfg, padded_vocab_size=vocab)
+    reader = SafetensorsReader.open(hf_dir)
+    _check_hf_tensors(reader, units, adapter, cfg)
+    dtypes = {u.mcore_name: _target_dtype(options.dtype, reader.entries[u.hf_names[0]].dtype) for u in units}
+
+    def produce(unit: WeightUnit) -> torch.Tensor:
+        tensors = {name: reader.read(name).to(dtypes[unit.mcore_name]) for name in unit.hf_names}
+        return adapter.hf_to_mcore(unit, tensors)
+
+    with _atomic_output_dir(options.out_dir) as tmp:
+        tensor_bytes = write_checkpoint(tmp, units, num_layers=dims.num_layers, dtypes=dtypes, produce=produce)
+        (tmp / HF_CONFIG_SUBDIR).mkdir()
+        copy_aux_files(hf_dir, tmp / HF_CONFIG_SUBDIR)
+        record = {
+            "format_version": 1,
+            "direction": "hf-to-mcore",
+            "source": str(hf_dir.absolute()),
+            "model_type": dims.model_type,
+            "num_layers": dims.num_layers,
+            "vocab_size": dims.vocab_size,
+            "padded_vocab_size": vocab,
+            "make_vocab_size_divisible_by": options.make_vocab_size_divisible_by,
+            "tensor_model_parallel_size": options.tp,
+            "pipeline_model_parallel_size": options.pp,
+            "dtypes": sorted({str(d).removeprefix("torch.") for d in dtypes.values()}),
+        }
+        (tmp / RECORD_FILE).write_text(json.dumps(record, indent=2) + "\n")
+    return ConversionSummary(
+        out_dir=Path(options.out_dir).absolute(),
+        model_type=dims.model_type,
+        num_tensors=len(units),
+        tensor_bytes=tensor_bytes,
+        seconds=time.perf_counter() - start,
+    )
+
+
+# ----------------------------------------------------------------------------- mcore -> hf
+
+
+_MODEL_KEY_PREFIXES = ("embedding.", "decoder.", "output_layer.")
+
+
+def _check_mcore_tensors(reader, units: list[WeightUnit], dims: ModelDims, cfg_path: Path) -> None:
+    """Every unit's key exists with the shape the config implies; no other model tensor is stored."""
+    expected = set()
+    for unit in units:
+        expected.add(unit.sharded_key)
+        if unit.sharded_key not in reader.tensors:
+            raise ConversionError(
+                f"Megatron checkpoint {reader.directory} is missing tensor '{unit.sharded_key}' "
+                f"(required by {cfg_path})"
+            )
+        shape, _ = reader.tensors[unit.sharded_key]
+        files = ", ".join(reader.files(unit.sharded_key))
+        if unit.kind == "vocab":
+            if len(shape) != 2 or shape[1] != dims.hidden_size:
+                raise ConversionError(f"tensor '{unit.sharded_key}' in {files} has shape {list(shape)}; expected [>= {dims.vocab_size}, {dims.hidden_size}]")
+            if shape[0] < dims.vocab_size:
+                raise ConversionError(
+                    f"vocab size mismatch: {cfg_path} has vocab_size={dims.vocab_size} but tensor "
+                    f"'{unit.sharded_key}' in {files} has only {shape[0]} rows"
+                )
+            continue
+        want = (dims.num_layers, *unit.mcore_shape) if unit.layer is not None else tuple(unit.mcore_shape)
+        if tuple(shape) != want:
+            raise ConversionError(f"tensor '{unit.sharded_key}' in {files} has shape {list(shape)}; {cfg_path} implies {list(want)}")
+    unexpected = sorted(k for k in reader.tensors if k.startswith(_MODEL_KEY_PREFIXES) and k not in expected)
+    if unexpected:
+        more = f" and {len(unexpected) - 1} more" if len(unexpected) > 1 else ""
+        raise ConversionError(
+            f"unexpected tensor '{unexpected[0]}' in {', '.join(reader.files(unexpected[0]))}{more}: "
+            f"not part of a {dims.model_type} model with {cfg_path}"
+            + (" (tie_word_embeddings=true)" if unexpected[0] == "output_layer.weight" else "")
+        )
+
+
+def mcore_to_hf(options: McoreToHfOptions) -> ConversionSummary:
+    """Convert a megatron-core torch_dist checkpoint into HF safetensors shards."""
+    from megatron_rl.models.mcore_io import DistCheckpointReader, single_process_group
+
+    start = time.perf_counter()
+    mcore_dir = Path(options.mcore_dir)
+    reader = DistCheckpointReader(mcore_dir)
+    cfg_dir = Path(options.hf_config_dir) if options.hf_config_dir is not None else mcore_dir / HF_CONFIG_SUBDIR
+    if not (cfg_dir / "config.json").is_file():
+        raise ConversionError(f"no HF config.json in {cfg_dir}; pass --hf-config DIR")
+    cfg = read_config(cfg_dir)
+    adapter = adapter_for_config(cfg)
+    dims = adapter.dims(cfg)
+    # The stored padding depends on the TP size the checkpoint was written at; any >= V is fine.
+    stored = reader.tensors.get("embedding.word_embeddings.weight")
+    stored_rows = stored[0][0] if stored is not None else dims.vocab_size
+    units = adapter.weight_units(cfg, padded_vocab_size=max(stored_rows, dims.vocab_size))
+    _check_mcore_tensors(reader, units, dims, cfg_dir / "config.json")
+
+    specs = []
+    for unit in units:
+        dtype = _target_dtype(options.dtype, reader.tensors[unit.sharded_key][1])
+        specs += [TensorSpec(name=n, shape=tuple(s), dtype=dtype) for n, s in zip(unit.hf_names, unit.hf_shapes)]
+    dtype_of = {s.name: s.dtype for s in specs}
+
+    with _atomic_output_dir(options.out_dir) as tmp, single_process_group():
+        writer = SafetensorsShardWriter(tmp, specs, max_shard_bytes=options.max_shard_bytes)
+        try:
+            for unit in units:
+                full = reader.read(unit.sharded_key, unit.layer)
+                for name, tensor in adapter.mcore_to_hf(unit, full):
+                    writer.write(name, tensor.to(dtype_of[name]))
+                del full
+            writer.finish()
+        finally:
+            writer.close()
+        # config.json is copied verbatim unless a cast changes the dtype it records.
+        copy_aux_files(cfg_dir, tmp, skip=["config.json"] if options.dtype is not None else [])
+        if options.dtype is not None:
+            name = str(dtype_from_name(options.dtype)).removeprefix("torch.")
+            keys = [k for k in ("dtype", "torch_dtype") if k in cfg] or ["torch_dtype"]
+            cfg.update({k: name for k in keys})
+            (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    return ConversionSummary(
+        out_dir=Path(options.out_dir).absolute(),
+        model_type=dims.model_type,
+        num_tensors=len(specs),
+        tensor_bytes=writer.bytes_written,
+        seconds=time.perf_counter() - start,
+    )
+
+
+# ----------------------------------------------------------------------------- CLI
+
+
+def parse_size(text: str) -> int:
+    """``5GB`` / ``500MB`` / ``64KiB`` / ``1000`` -> bytes (KB/MB/GB are powers of 10, like HF)."""
+    units = {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "KB": 10**3, "MB": 10**6, "GB": 10**9, "B": 1}
+    upper = text.strip().upper()
+    for suffix, factor in units.items():
+        if upper.endswith(suffix):
+            number = upper[: -len(suffix)].strip()
+            break
+    else:
+        number, factor = upper, 1
+    try:
+        value = int(float(number) * factor)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid size {text!r} (examples: 5GB, 500MB, 64KiB, 1000)") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"size must be positive, got {text!r}")
+    return value
+
+
+def add_hf_to_mcore_arguments(parser: argparse.ArgumentParser) -> None:
+    """Arguments of ``hf-to-mcore`` (also used by tools/convert_hf_to_mcore.py)."""
+    parser.add_argument("--hf", required=True, type=Path, help="HF model directory (config.json + *.safetensors)")
+    parser.add_argument("--out", required=True, type=Path, help="output directory (must not exist or be empty)")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size to pad the vocabulary for (default 1)")
+    parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size to check the layer count against (default 1)")
+    parser.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
+                        help="pad embedding rows to a multiple of this times --tp (default 128)")
+    parser.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None, help="cast all tensors (default: keep)")
+
+
+def add_mcore_to_hf_arguments(parser: argparse.ArgumentParser) -> None:
+    """Arguments of ``mcore-to-hf`` (also used by tools/convert_mcore_to_hf.py)."""
+    parser.add_argument("--mcore", required=True, type=Path, help="megatron-core torch_dist checkpoint directory")
+    parser.add_argument("--out", required=True, type=Path, help="output directory (must not exist or be empty)")
+    parser.add_argument("--hf-config", type=Path, default=None,
+                        help=f"directory with config.json and tokenizer files (default: <mcore>/{HF_CONFIG_SUBDIR})")
+    parser.add_argument("--max-shard-size", type=parse_size, default=5 * 10**9,
+                        help="largest safetensors shard, e.g. 5GB (default), 500MB")
+    parser.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None, help="cast all tensors (default: keep)")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the ``hf-to-mcore`` / ``mcore-to-hf`` sub-commands to ``parser`` (dest ``convert_direction``)."""
+    sub = parser.add_subparsers(dest="convert_direction", required=True, metavar="{hf-to-mcore,mcore-to-hf}")
+    add_hf_to_mcore_arguments(sub.add_parser("hf-to-mcore", help="HF safetensors -> Megatron dist-checkpoint"))
+    add_mcore_to_hf_arguments(sub.add_parser("mcore-to-hf", help="Megatron dist-checkpoint -> HF safetensors"))
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the parsed command; returns the exit code (1 with a message on stderr for bad input)."""
+    try:
+        if args.convert_direction == "hf-to-mcore":
+            summary = hf_to_mcore(
+                HfToMcoreOptions(
+                    hf_dir=args.hf,
+                    out_dir=args.out,
+                    tp=args.tp,
+                    pp=args.pp,
+                    make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+                    dtype=args.dtype,
+                )
+            )
+        elif args.convert_direction == "mcore-to-hf":
+            summary = mcore_to_hf(
+                McoreToHfOptions(
+                    mcore_dir=args.mcore,
+                    out_dir=args.out,
+                    hf_config_dir=args.hf_config,
+                    max_shard_bytes=args.max_shard_size,
+                    dtype=args.dtype,
+                )
+            )
+        else:
+            raise ValueError(f"unknown direction {args.convert_direction!r}")
+    except (ConversionError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(
+        f"{args.convert_direction}: wrote {summary.num_tensors} tensors ({summary.tensor_bytes / 2**30:.2f} GiB) "
+        f"of a {summary.model_type} model to {summary.out_dir} in {summary.seconds:.1f} s"
+    )
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Stand-alone entry point: ``python -m megatron_rl.convert hf-to-mcore ...``."""
+    parser = argparse.ArgumentParser(prog="megatron-rl convert", description=__doc__.split("\n\n")[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

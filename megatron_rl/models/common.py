@@ -1,0 +1,596 @@
+"""HF <-> Megatron mapping shared by the Llama-family decoders (Qwen2/2.5, Qwen3, Llama).
+
+The three architectures differ only in a few flags (Qwen2 q/k/v biases, Qwen3 q/k
+RMSNorm), so one :class:`DecoderAdapter` does the work and ``models/<arch>/`` only
+declares the flags and the config checks. Nothing here imports megatron-core at module
+level; ``layer_spec`` imports it when called.
+
+Layout contract. A *full* Megatron tensor is what the tensor-parallel shards of one
+parameter concatenate to (along dim 0 for column-parallel, dim 1 for row-parallel).
+megatron-core's dist-checkpoint stores exactly these full tensors, with the per-layer
+tensors of the decoder stacked on a new leading layer dimension; so a converted
+checkpoint is independent of TP/PP except for the vocabulary padding.
+
+====================================  ==========================================  =====================
+Megatron (canonical name, layer i)    HF (Llama-family names)                      transform
+====================================  ==========================================  =====================
+embedding.word_embeddings.weight      model.embed_tokens.weight                    pad rows to Vp
+...linear_qkv.layer_norm_weight       model.layers.i.input_layernorm.weight        copy
+...linear_qkv.weight [(nh+2ng)d, H]   self_attn.{q,k,v}_proj.weight                per group [q.., k, v]
+...linear_qkv.bias   [(nh+2ng)d]      self_attn.{q,k,v}_proj.bias (Qwen2)          per group [q.., k, v]
+...q_layernorm.weight / k_layernorm   self_attn.q_norm / k_norm (Qwen3)            copy
+...linear_proj.weight [H, nh*d]       self_attn.o_proj.weight                      copy
+...mlp.linear_fc1.layer_norm_weight   post_attention_layernorm.weight              copy
+...mlp.linear_fc1.weight [2F, H]      mlp.gate_proj.weight, mlp.up_proj.weight     [gate; up]
+...mlp.linear_fc2.weight [H, F]       mlp.down_proj.weight                         copy
+decoder.final_layernorm.weight        model.norm.weight                            copy
+output_layer.weight (untied only)     lm_head.weight                               pad rows to Vp
+====================================  ==========================================  =====================
+
+``...`` is ``decoder.layers.i.self_attention`` for attention rows and
+``decoder.layers.i`` for MLP rows. The layer-norm names are the ones megatron-core
+itself uses in checkpoints for both the local and the Transformer-Engine spec (the
+local spec maps ``input_layernorm.`` and ``pre_mlp_layernorm.`` onto them through its
+``sharded_state_dict_keys_map``); :func:`canonical_mcore_name` applies the same map to
+parameter names of a local-spec model.
+
+QKV interleaving: megatron's ``SelfAttention`` views the fused projection output as
+``[ng, (nh/ng + 2) * d]`` and splits each group into ``nh/ng`` query heads, one key
+head and one value head, so the fused weight is, per query group ``g``,
+``[q heads g*nh/ng .. (g+1)*nh/ng-1; k head g; v head g]``. Tensor parallelism gives
+each rank ``ng/TP`` whole groups, so the full tensor above is TP-independent.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, Literal
+
+import torch
+
+__all__ = [
+    "ConversionError",
+    "ModelDims",
+    "WeightUnit",
+    "DecoderAdapter",
+    "config_dict",
+    "padded_vocab_size",
+    "canonical_mcore_name",
+    "index_by_mcore_name",
+    "hf_to_mcore",
+    "mcore_to_hf",
+    "fuse_qkv",
+    "split_qkv",
+    "require_false",
+    "require_no_sliding_window",
+]
+
+
+class ConversionError(Exception):
+    """A checkpoint or config that cannot be converted; the message names the file/tensor."""
+
+
+# ----------------------------------------------------------------------------- config
+
+
+def config_dict(hf_config: Any) -> dict[str, Any]:
+    """A plain dict from a transformers ``PretrainedConfig`` or a parsed ``config.json``."""
+    if isinstance(hf_config, Mapping):
+        return dict(hf_config)
+    to_dict = getattr(hf_config, "to_dict", None)
+    if to_dict is None:
+        raise TypeError(f"expected a PretrainedConfig or a config.json dict, got {type(hf_config).__name__}")
+    return to_dict()
+
+
+def _field(cfg: Mapping[str, Any], key: str) -> Any:
+    value = cfg.get(key)
+    if value is None:
+        raise ConversionError(f"HF config: required field '{key}' is missing")
+    return value
+
+
+def padded_vocab_size(vocab_size: int, *, tp_size: int, divisible_by: int = 128) -> int:
+    """Vocabulary size rounded up to a multiple of ``divisible_by * tp_size``.
+
+    Megatron splits the embedding and output layer by rows across TP ranks, so the row
+    count must divide by TP; the extra multiple keeps the shards GEMM-friendly (the
+    Megatron-LM convention). Padding rows are zeros and are stripped on export.
+    """
+    if vocab_size <= 0 or tp_size <= 0 or divisible_by <= 0:
+        raise ValueError(f"vocab_size, tp_size and divisible_by must be positive, got {vocab_size}, {tp_size}, {divisible_by}")
+    multiple = divisible_by * tp_size
+    return -(-vocab_size // multiple) * multiple
+
+
+def _rope(cfg: Mapping[str, Any]) -> tuple[float, float | None]:
+    """(rope theta, llama3 scaling factor or None) from either HF config layout.
+
+    transformers >= 5 writes ``rope_parameters: {rope_type, rope_theta, ...}``; older
+    config.json files have top-level ``rope_theta`` and ``rope_scaling``.
+    """
+    params = cfg.get("rope_parameters")
+    if isinstance(params, Mapping):
+        theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
+        scaling: Mapping[str, Any] | None = params
+    else:
+        theta = cfg.get("rope_theta", 10000.0)
+        scaling = cfg.get("rope_scaling")
+    rope_type = None
+    if scaling:
+        rope_type = scaling.get("rope_type", scaling.get("type"))
+    if rope_type in (None, "default"):
+        return float(theta), None
+    if rope_type == "llama3":
+        # megatron-core's RotaryEmbedding hard-codes the other llama3 constants.
+        expected = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+        for key, value in expected.items():
+            if float(scaling.get(key, value)) != float(value):
+                raise ConversionError(
+                    f"HF config: llama3 rope scaling with {key}={scaling.get(key)} is not supported "
+                    f"(megatron-core implements {key}={value} only)"
+                )
+        return float(theta), float(scaling["factor"])
+    raise ConversionError(f"HF config: rope_type '{rope_type}' is not supported (supported: default, llama3)")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelDims:
+    """Architecture numbers read from an HF config (names follow megatron-core)."""
+
+    model_type: str
+    num_layers: int
+    hidden_size: int
+    """H."""
+    ffn_hidden_size: int
+    """F, the width of gate/up (``intermediate_size``)."""
+    num_attention_heads: int
+    """nh, query heads."""
+    num_query_groups: int
+    """ng, key/value heads (``num_key_value_heads``)."""
+    head_dim: int
+    """d (``kv_channels`` in Megatron); not always H / nh (Qwen3)."""
+    vocab_size: int
+    """V, rows of the HF embedding (before TP padding)."""
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    qk_norm: bool
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling_factor: float | None
+    """llama3-style frequency scaling factor; None without scaling."""
+    max_position_embeddings: int
+    initializer_range: float
+    attention_dropout: float
+
+
+# ----------------------------------------------------------------------------- checks
+
+
+def require_false(key: str, reason: str) -> Callable[[Mapping[str, Any]], None]:
+    """A config check that rejects ``cfg[key]`` being truthy (features Megatron lacks here)."""
+
+    def check(cfg: Mapping[str, Any]) -> None:
+        if cfg.get(key):
+            raise ConversionError(f"HF config: {key}={cfg[key]!r} is not supported: {reason}")
+
+    return check
+
+
+def require_no_sliding_window(cfg: Mapping[str, Any]) -> None:
+    """Reject sliding-window attention (the GPTModel built here attends to the full context)."""
+    if cfg.get("use_sliding_window"):
+        raise ConversionError("HF config: use_sliding_window=true is not supported (full causal attention only)")
+
+
+def _check_common(cfg: Mapping[str, Any]) -> None:
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise ConversionError(f"HF config: hidden_act={act!r} is not supported (SwiGLU with silu only)")
+
+
+# ----------------------------------------------------------------------------- weight units
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class WeightUnit:
+    """One Megatron parameter and the HF tensors it is made of.
+
+    ``mcore_shape`` is the full (TP-gathered) shape of one layer's tensor; in the
+    dist-checkpoint a decoder-layer unit is row ``layer`` of a tensor of global shape
+    ``(num_layers, *mcore_shape)`` stored under ``sharded_key``.
+    """
+
+    kind: Literal["copy", "qkv", "gate_up", "vocab"]
+    mcore_name: str
+    """Canonical GPTModel parameter name with the *global* layer index."""
+    sharded_key: str
+    """dist-checkpoint key (``decoder.layers.<suffix>`` for layer units)."""
+    layer: int | None
+    """Global layer index; None for embedding, final norm and output layer."""
+    hf_names: tuple[str, ...]
+    hf_shapes: tuple[tuple[int, ...], ...]
+    mcore_shape: tuple[int, ...]
+    num_query_groups: int = 1
+    """ng, used by ``qkv`` units only."""
+
+
+_LAYER_PREFIX = "decoder.layers."
+
+# Local-spec parameter names -> the names megatron-core checkpoints use (and TE uses).
+_LOCAL_SPEC_ALIASES = {
+    "input_layernorm.": "self_attention.linear_qkv.layer_norm_",
+    "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_",
+}
+
+
+def canonical_mcore_name(name: str) -> str:
+    """Map a local-spec GPTModel parameter name to the canonical (TE/checkpoint) name.
+
+    ``decoder.layers.3.input_layernorm.weight`` ->
+    ``decoder.layers.3.self_attention.linear_qkv.layer_norm_weight``; other names are
+    returned unchanged. Layer indices are not touched: a pipeline stage must add its
+    first global layer index to its local indices first.
+    """
+    if not name.startswith(_LAYER_PREFIX):
+        return name
+    index, _, rest = name[len(_LAYER_PREFIX) :].partition(".")
+    for old, new in _LOCAL_SPEC_ALIASES.items():
+        if rest.startswith(old):
+            return f"{_LAYER_PREFIX}{index}.{new}{rest[len(old):]}"
+    return name
+
+
+def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, num_query_groups: int) -> torch.Tensor:
+    """HF q ``[nh*d, ...]``, k/v ``[ng*d, ...]`` -> Megatron fused ``[(nh+2ng)*d, ...]``.
+
+    Works for weights (``...`` = H) and biases (no trailing dims). Each query group
+    contributes its ``nh/ng`` query heads, then its key head, then its value head.
+    """
+    ng = num_query_groups
+    rest = q.shape[1:]
+    fused = torch.cat([q.reshape(ng, -1, *rest), k.reshape(ng, -1, *rest), v.reshape(ng, -1, *rest)], dim=1)
+    return fused.reshape(-1, *rest)
+
+
+def split_qkv(
+    qkv: torch.Tensor, *, num_query_groups: int, q_rows: int, kv_rows: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Inverse of :func:`fuse_qkv`: fused ``[(nh+2ng)*d, ...]`` -> (q, k, v), contiguous."""
+    ng = num_query_groups
+    rest = qkv.shape[1:]
+    grouped = qkv.reshape(ng, -1, *rest)
+    q, k, v = torch.split(grouped, [q_rows // ng, kv_rows // ng, kv_rows // ng], dim=1)
+    return (
+        q.reshape(q_rows, *rest).contiguous(),
+        k.reshape(kv_rows, *rest).contiguous(),
+        v.reshape(kv_rows, *rest).contiguous(),
+    )
+
+
+def _check_shape(name: str, tensor: torch.Tensor, expected: Sequence[int], what: str = "tensor") -> None:
+    if tuple(tensor.shape) != tuple(expected):
+        raise ConversionError(f"{what} '{name}' has shape {tuple(tensor.shape)}, expected {tuple(expected)}")
+
+
+def hf_to_mcore(unit: WeightUnit, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """Build the full Megatron tensor of ``unit`` (shape ``unit.mcore_shape``) from HF tensors.
+
+    ``tensors`` maps each of ``unit.hf_names`` to its HF tensor; shapes are checked
+    (a mismatch raises :class:`ConversionError` naming the tensor). Vocabulary padding
+    rows are zeros.
+    """
+    for name, shape in zip(unit.hf_names, unit.hf_shapes):
+        if name not in tensors:
+            raise ConversionError(f"HF tensor '{name}' is missing")
+        _check_shape(name, tensors[name], shape, "HF tensor")
+    parts = [tensors[name] for name in unit.hf_names]
+    if unit.kind == "copy":
+        return parts[0]
+    if unit.kind == "qkv":
+        return fuse_qkv(*parts, num_query_groups=unit.num_query_groups)
+    if unit.kind == "gate_up":
+        return torch.cat(parts, dim=0)
+    if unit.kind == "vocab":
+        (table,) = parts
+        if tuple(table.shape) == tuple(unit.mcore_shape):
+            return table  # nothing to pad: avoid a copy of the largest tensor
+        padded = table.new_zeros(unit.mcore_shape)
+        padded[: table.shape[0]].copy_(table)
+        return padded
+    raise AssertionError(f"unknown unit kind {unit.kind}")
+
+
+def mcore_to_hf(unit: WeightUnit, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """Split the full Megatron tensor of ``unit`` into ``(hf_name, tensor)`` pairs.
+
+    For ``vocab`` units any number of padding rows ``>= V`` is accepted (the padding
+    depends on the TP size the checkpoint was written at) and stripped.
+    """
+    if unit.kind == "vocab":
+        rows = unit.hf_shapes[0][0]
+        if tensor.dim() != 2 or tensor.shape[0] < rows or tensor.shape[1] != unit.mcore_shape[1]:
+            raise ConversionError(
+                f"Megatron tensor '{unit.mcore_name}' has shape {tuple(tensor.shape)}; expected "
+                f"[>= {rows}, {unit.mcore_shape[1]}] for vocab_size={rows} (wrong vocab size?)"
+            )
+        return [(unit.hf_names[0], tensor[:rows])]
+    _check_shape(unit.mcore_name, tensor, unit.mcore_shape, "Megatron tensor")
+    if unit.kind == "copy":
+        return [(unit.hf_names[0], tensor)]
+    if unit.kind == "qkv":
+        q, k, v = split_qkv(
+            tensor, num_query_groups=unit.num_query_groups, q_rows=unit.hf_shapes[0][0], kv_rows=unit.hf_shapes[1][0]
+        )
+        return list(zip(unit.hf_names, (q, k, v)))
+    if unit.kind == "gate_up":
+        gate, up = torch.chunk(tensor, 2, dim=0)
+        return [(unit.hf_names[0], gate.contiguous()), (unit.hf_names[1], up.contiguous())]
+    raise AssertionError(f"unknown unit kind {unit.kind}")
+
+
+# ----------------------------------------------------------------------------- adapter
+
+
+def _te_available() -> bool:
+    if not torch.cuda.is_available():
+        return False
+    try:
+        importlib.import_module("transformer_engine")
+    except ImportError:
+        return False
+    return True
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DecoderAdapter:
+    """HF <-> Megatron adapter for one Llama-family ``model_type``.
+
+    Typical use::
+
+        adapter = get_adapter(cfg["model_type"])
+        config = TransformerConfig(**adapter.transformer_config_kwargs(cfg), tensor_model_parallel_size=tp, ...)
+        model = GPTModel(config, adapter.layer_spec(cfg), **adapter.gpt_model_kwargs(cfg, padded_vocab_size=vp), ...)
+        units = adapter.weight_units(cfg, padded_vocab_size=vp)
+        full = adapter.hf_to_mcore(unit, {name: hf_tensor(name) for name in unit.hf_names})
+        pairs = adapter.mcore_to_hf(unit, full_tensor)       # [(hf_name, tensor), ...]
+    """
+
+    model_type: str
+    qk_norm: bool
+    """Per-head RMSNorm on queries and keys (Qwen3's ``q_norm`` / ``k_norm``)."""
+    qkv_bias: Callable[[Mapping[str, Any]], bool]
+    """Whether q/k/v projections carry biases, from the config dict."""
+    checks: tuple[Callable[[Mapping[str, Any]], None], ...] = ()
+    """Config checks raising :class:`ConversionError` for unsupported features."""
+
+    hf_to_mcore = staticmethod(hf_to_mcore)
+    mcore_to_hf = staticmethod(mcore_to_hf)
+
+    # -- config --------------------------------------------------------------
+
+    def dims(self, hf_config: Any) -> ModelDims:
+        """Validate the config and read the architecture numbers."""
+        cfg = config_dict(hf_config)
+        model_type = cfg.get("model_type")
+        if model_type != self.model_type:
+            raise ConversionError(f"HF config: model_type={model_type!r}, but this adapter is for {self.model_type!r}")
+        _check_common(cfg)
+        for check in self.checks:
+            check(cfg)
+        hidden = int(_field(cfg, "hidden_size"))
+        heads = int(_field(cfg, "num_attention_heads"))
+        groups = int(cfg.get("num_key_value_heads") or heads)
+        head_dim = cfg.get("head_dim")
+        if head_dim is None:
+            if hidden % heads:
+                raise ConversionError(f"HF config: hidden_size={hidden} is not divisible by num_attention_heads={heads}")
+            head_dim = hidden // heads
+        if heads % groups:
+            raise ConversionError(f"HF config: num_attention_heads={heads} is not divisible by num_key_value_heads={groups}")
+        theta, scaling = _rope(cfg)
+        return ModelDims(
+            model_type=self.model_type,
+            num_layers=int(_field(cfg, "num_hidden_layers")),
+            hidden_size=hidden,
+            ffn_hidden_size=int(_field(cfg, "intermediate_size")),
+            num_attention_heads=heads,
+            num_query_groups=groups,
+            head_dim=int(head_dim),
+            vocab_size=int(_field(cfg, "vocab_size")),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=bool(self.qkv_bias(cfg)),
+            qk_norm=self.qk_norm,
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            rope_scaling_factor=scaling,
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+            initializer_range=float(cfg.get("initializer_range", 0.02)),
+            attention_dropout=float(cfg.get("attention_dropout", 0.0) or 0.0),
+        )
+
+    def transformer_config_kwargs(self, hf_config: Any) -> dict[str, Any]:
+        """Architecture keyword arguments for megatron-core ``TransformerConfig``.
+
+        Parallelism, dtype and CPU/fusion flags are the caller's (see
+        ``megatron_rl.actor.cpu_shim.transformer_config_overrides`` on CPU).
+        """
+        import torch.nn.functional as F
+
+        d = self.dims(hf_config)
+        return {
+            "num_layers": d.num_layers,
+            "hidden_size": d.hidden_size,
+            "ffn_hidden_size": d.ffn_hidden_size,
+            "num_attention_heads": d.num_attention_heads,
+            "num_query_groups": d.num_query_groups,
+            "kv_channels": d.head_dim,
+            "normalization": "RMSNorm",
+            "layernorm_epsilon": d.rms_norm_eps,
+            "gated_linear_unit": True,  # SwiGLU: linear_fc1 = [gate; up]
+            "activation_func": F.silu,
+            "add_bias_linear": False,
+            "add_qkv_bias": d.qkv_bias,
+            "qk_layernorm": d.qk_norm,
+            "rotary_interleaved": False,  # HF rotates halves, not interleaved pairs
+            "hidden_dropout": 0.0,
+            "attention_dropout": d.attention_dropout,
+            "init_method_std": d.initializer_range,
+        }
+
+    def gpt_model_kwargs(self, hf_config: Any, *, padded_vocab_size: int) -> dict[str, Any]:
+        """``GPTModel`` keyword arguments (everything but config, spec and pre/post_process)."""
+        d = self.dims(hf_config)
+        if padded_vocab_size < d.vocab_size:
+            raise ValueError(f"padded_vocab_size={padded_vocab_size} < vocab_size={d.vocab_size}")
+        theta = int(d.rope_theta) if float(d.rope_theta).is_integer() else d.rope_theta
+        return {
+            "vocab_size": padded_vocab_size,
+            "max_sequence_length": d.max_position_embeddings,
+            "position_embedding_type": "rope",
+            "rotary_percent": 1.0,
+            "rotary_base": theta,
+            "rope_scaling": d.rope_scaling_factor is not None,
+            "rope_scaling_factor": d.rope_scaling_factor if d.rope_scaling_factor is not None else 8.0,
+            "share_embeddings_and_output_weights": d.tie_word_embeddings,
+        }
+
+    def layer_spec(self, hf_config: Any = None, *, use_te: bool | None = None):
+        """The decoder-layer ``ModuleSpec``.
+
+        ``use_te=None`` picks the Transformer-Engine spec only on a CUDA machine where
+        ``transformer_engine`` imports, else the local (pure megatron-core) spec. Both
+        give the same checkpoint keys.
+        """
+        if hf_config is not None:
+            self.dims(hf_config)  # validate
+        if use_te is None:
+            use_te = _te_available()
+        from megatron.core.models.gpt import gpt_layer_specs
+
+        if use_te:
+            return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=self.qk_norm)
+        return gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=self.qk_norm, normalization="RMSNorm")
+
+    # -- weights -------------------------------------------------------------
+
+    def weight_units(self, hf_config: Any, *, padded_vocab_size: int) -> list[WeightUnit]:
+        """Every Megatron parameter of the model in HF order (embedding, layers, norm, lm_head)."""
+        d = self.dims(hf_config)
+        if padded_vocab_size < d.vocab_size:
+            raise ValueError(f"padded_vocab_size={padded_vocab_size} < vocab_size={d.vocab_size}")
+        H, F_, dh = d.hidden_size, d.ffn_hidden_size, d.head_dim
+        q_rows, kv_rows = d.num_attention_heads * dh, d.num_query_groups * dh
+        units = [
+            WeightUnit(
+                kind="vocab",
+                mcore_name="embedding.word_embeddings.weight",
+                sharded_key="embedding.word_embeddings.weight",
+                layer=None,
+                hf_names=("model.embed_tokens.weight",),
+                hf_shapes=((d.vocab_size, H),),
+                mcore_shape=(padded_vocab_size, H),
+            )
+        ]
+        for i in range(d.num_layers):
+            units += _layer_units(d, i, q_rows=q_rows, kv_rows=kv_rows, H=H, F=F_)
+        units.append(
+            WeightUnit(
+                kind="copy",
+                mcore_name="decoder.final_layernorm.weight",
+                sharded_key="decoder.final_layernorm.weight",
+                layer=None,
+                hf_names=("model.norm.weight",),
+                hf_shapes=((H,),),
+                mcore_shape=(H,),
+            )
+        )
+        if not d.tie_word_embeddings:
+            units.append(
+                WeightUnit(
+                    kind="vocab",
+                    mcore_name="output_layer.weight",
+                    sharded_key="output_layer.weight",
+                    layer=None,
+                    hf_names=("lm_head.weight",),
+                    hf_shapes=((d.vocab_size, H),),
+                    mcore_shape=(padded_vocab_size, H),
+                )
+            )
+        return units
+
+    def ignorable_hf_names(self, hf_config: Any) -> Callable[[str], bool]:
+        """Predicate for HF tensors that carry no weights of their own.
+
+        Old checkpoints store RoPE ``inv_freq`` buffers; tied checkpoints may store a
+        copy of the embedding as ``lm_head.weight``.
+        """
+        tied = self.dims(hf_config).tie_word_embeddings
+
+        def ignorable(name: str) -> bool:
+            return name.endswith(".rotary_emb.inv_freq") or (tied and name == "lm_head.weight")
+
+        return ignorable
+
+
+def _layer_units(d: ModelDims, i: int, *, q_rows: int, kv_rows: int, H: int, F: int) -> list[WeightUnit]:
+    hf = f"model.layers.{i}."
+
+    def unit(kind, suffix, names, shapes, mcore_shape, **extra) -> WeightUnit:
+        return WeightUnit(
+            kind=kind,
+            mcore_name=f"{_LAYER_PREFIX}{i}.{suffix}",
+            sharded_key=f"{_LAYER_PREFIX}{suffix}",
+            layer=i,
+            hf_names=tuple(hf + n for n in names),
+            hf_shapes=tuple(shapes),
+            mcore_shape=mcore_shape,
+            **extra,
+        )
+
+    qkv_names = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+    units = [
+        unit("copy", "self_attention.linear_qkv.layer_norm_weight", ["input_layernorm.weight"], [(H,)], (H,)),
+        unit(
+            "qkv",
+            "self_attention.linear_qkv.weight",
+            [n + ".weight" for n in qkv_names],
+            [(q_rows, H), (kv_rows, H), (kv_rows, H)],
+            (q_rows + 2 * kv_rows, H),
+            num_query_groups=d.num_query_groups,
+        ),
+    ]
+    if d.qkv_bias:
+        units.append(
+            unit(
+                "qkv",
+                "self_attention.linear_qkv.bias",
+                [n + ".bias" for n in qkv_names],
+                [(q_rows,), (kv_rows,), (kv_rows,)],
+                (q_rows + 2 * kv_rows,),
+                num_query_groups=d.num_query_groups,
+            )
+        )
+    if d.qk_norm:
+        units.append(unit("copy", "self_attention.q_layernorm.weight", ["self_attn.q_norm.weight"], [(d.head_dim,)], (d.head_dim,)))
+        units.append(unit("copy", "self_attention.k_layernorm.weight", ["self_attn.k_norm.weight"], [(d.head_dim,)], (d.head_dim,)))
+    units += [
+        unit("copy", "self_attention.linear_proj.weight", ["self_attn.o_proj.weight"], [(H, q_rows)], (H, q_rows)),
+        unit("copy", "mlp.linear_fc1.layer_norm_weight", ["post_attention_layernorm.weight"], [(H,)], (H,)),
+        unit(
+            "gate_up",
+            "mlp.linear_fc1.weight",
+            ["mlp.gate_proj.weight", "mlp.up_proj.weight"],
+            [(F, H), (F, H)],
+            (2 * F, H),
+        ),
+        unit("copy", "mlp.linear_fc2.weight", ["mlp.down_proj.weight"], [(H, F)], (H, F)),
+    ]
+    return units
+
+
+def index_by_mcore_name(units: Iterable[WeightUnit]) -> dict[str, WeightUnit]:
+    """``{unit.mcore_name: unit}``; look names up through :func:`canonical_mcore_name`."""
+    return {u.mcore_name: u for u in units}
