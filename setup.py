@@ -26,6 +26,7 @@ INSTALL_REQUIRES = [
     "wandb>=0.31,<0.32",
     "rich>=13",
     "math-verify>=0.9,<0.10",
+    "matplotlib>=3.9,<4",  # tools/plot_run.py (Agg backend, no display)
 ]
 
 EXTRAS_REQUIRE = {

@@ -59,6 +59,11 @@ class VocabParallelOptions:
     chunk_tokens: int | None = None
     """Tokens processed per chunk (``None``: about 4 MiB of float32 logits per chunk)."""
 
+    token_grad_norms: bool = False
+    """Also compute each token's ``||dL/dlogits_t||`` (of the loss SUM, whole vocabulary) into
+    ``SoftmaxStats.logit_grad_norm``, for the token-probability diagnostics: one extra
+    in-cache pass per chunk and one all-reduce of ``[T]`` on the TP group."""
+
     grad_in_place: bool = True
     """Scale the precomputed logit gradient in place in backward, so no second logits-sized
     buffer is allocated; allows one backward per forward. ``False`` allocates the scaled
@@ -316,6 +321,8 @@ def _grad_chunks(chunk_logits, stats, inputs: LossInputs, g_logp, g_ent, vocab_l
     if shard.num_valid == 0:
         for begin in range(0, num_tokens, rows):
             yield slice(begin, min(begin + rows, num_tokens)), None
+        if options.token_grad_norms:  # still take part in the all-reduce
+            _finish_grad_norms(stats, torch.zeros(num_tokens, dtype=stats.logp.dtype, device=targets.device), options)
         return
     inv_t = 1.0 / options.temperature
     local_target = targets - shard.start
@@ -326,6 +333,7 @@ def _grad_chunks(chunk_logits, stats, inputs: LossInputs, g_logp, g_ent, vocab_l
         row_scale, row_shift = -g_logp * inv_t, None
     else:  # ... - g_H p (log p + H)
         row_scale, row_shift = -g_ent * inv_t, -(g_logp + g_ent * stats.entropy) * inv_t
+    sq_norm = torch.zeros(num_tokens, dtype=stats.logp.dtype, device=targets.device) if options.token_grad_norms else None
     for begin in range(0, num_tokens, rows):
         sl = slice(begin, min(begin + rows, num_tokens))
         g = logit_grad_chunk(
@@ -335,7 +343,21 @@ def _grad_chunks(chunk_logits, stats, inputs: LossInputs, g_logp, g_ent, vocab_l
         invalid = ~valid[sl]
         if bool(invalid.any()):  # assignment, not multiplication: padding rows may hold NaN
             g[invalid] = 0
+        if sq_norm is not None:
+            sq_norm[sl] = torch.linalg.vecdot(g, g)
         yield sl, g
+    if sq_norm is not None:
+        _finish_grad_norms(stats, sq_norm, options)
+
+
+def _finish_grad_norms(stats: SoftmaxStats, sq_norm: torch.Tensor | None, options: VocabParallelOptions) -> None:
+    """Sum the per-shard squared norms over the TP group (all-reduce) into ``stats``."""
+    if sq_norm is None:
+        return
+    _, tp_size = tp_rank_and_size(options.tp_group)
+    if tp_size > 1:
+        dist.all_reduce(sq_norm, group=options.tp_group)
+    stats.logit_grad_norm = sq_norm.sqrt()
 
 
 # ----------------------------------------------------------------------------- public API

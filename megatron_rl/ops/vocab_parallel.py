@@ -87,12 +87,15 @@ class SoftmaxStats:
     ``logp``: log-prob of the target; ``entropy``: full-distribution entropy;
     ``log_normalizer``: ``log sum_j exp(z_j)`` over the whole (global) vocabulary, which
     rebuilds the softmax of any chunk as ``p_j = exp(z_j - log_normalizer)``.
-    Masked-out tokens hold 0 in ``logp`` and ``entropy``.
+    Masked-out tokens hold 0 in ``logp`` and ``entropy``. ``logit_grad_norm`` is filled by
+    the training ops when asked (``VocabParallelOptions.token_grad_norms``): the norm of
+    each token's loss-sum gradient w.r.t. its logits row, over the whole vocabulary.
     """
 
     logp: torch.Tensor
     entropy: torch.Tensor
     log_normalizer: torch.Tensor
+    logit_grad_norm: torch.Tensor | None = None
 
 
 class ChunkWorkspace:

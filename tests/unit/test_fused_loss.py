@@ -180,3 +180,17 @@ def test_fused_linear_accumulates_into_main_grad():
     out2.loss_sum.backward()
     assert w2.grad is None and h2.grad is not None
     torch.testing.assert_close(main_grad, w1.grad + 0.25, atol=1e-12, rtol=1e-12)
+
+
+@pytest.mark.parametrize("name", ["grpo_kl_k3_entropy", "all_composed"])
+def test_token_grad_norms_equal_rowwise_norm_of_the_loss_sum_gradient(name):
+    cfg = LOSS_CASES[name]
+    phase = lopti_phase_for(name, cfg)
+    logits, targets, mask, old, ref, adv = make_inputs(seed=13, dtype=torch.float64)
+    x = logits.clone().requires_grad_()
+    inputs = LossInputs(targets=targets, old_logp=old, advantages=adv, mask=mask, ref_logp=ref, lopti_phase=phase)
+    out, stats = fused_policy_loss(x, inputs, cfg, VocabParallelOptions(temperature=0.8, chunk_tokens=4, token_grad_norms=True))
+    out.loss_sum.backward()  # unscaled: the norms are of the loss SUM's gradient
+    want = x.grad.reshape(-1, x.shape[-1]).norm(dim=-1)
+    torch.testing.assert_close(stats.logit_grad_norm, want, atol=1e-12, rtol=1e-10)
+    assert stats.logit_grad_norm[mask.reshape(-1)].min() >= 0 and (stats.logit_grad_norm[~mask.reshape(-1)] == 0).all()

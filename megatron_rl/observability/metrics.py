@@ -1,0 +1,118 @@
+"""One metrics sink: an append-only ``metrics.jsonl`` in the run directory, mirrored to
+Weights & Biases (offline unless configured), written by rank 0 only.
+
+Keys are namespaced by what they measure: ``rollout/reward/mean``, ``loss/clip_frac/high``,
+``timing_s/generate``, ``tokens/prob_q1/grad_share``. Each JSONL line is one step:
+``{"step": 12, "time": 1732150000.0, "rollout/reward/mean": 0.4, ...}``. Lines are
+flushed and fsync'ed as they are written, so a crash loses at most the line being
+written; on resume, lines of steps after the checkpoint are dropped (``truncate_after``)
+so the file never holds two histories.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+
+class MetricsSink:
+    """Writes metrics to ``run_dir/metrics.jsonl`` and, unless disabled, to wandb.
+
+    Args:
+        run_dir: the run directory (created if missing).
+        wandb_mode: ``offline`` (local files under ``run_dir/wandb``), ``online`` or ``disabled``.
+        project, run_name: wandb project and run name.
+        config: the resolved run config (a plain dict) recorded with the wandb run.
+    """
+
+    def __init__(
+        self,
+        run_dir: str | Path,
+        *,
+        wandb_mode: str = "disabled",
+        project: str = "megatron_rl",
+        run_name: str = "run",
+        config: dict[str, Any] | None = None,
+    ):
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.run_dir / "metrics.jsonl"
+        self._file = open(self.path, "a", encoding="utf-8")
+        self._wandb = None
+        if wandb_mode != "disabled":
+            import wandb  # imported lazily: slow, and not needed with the sink disabled
+
+            self._wandb = wandb.init(
+                project=project,
+                name=run_name,
+                dir=str(self.run_dir),
+                mode=wandb_mode,
+                config=config or {},
+                resume="allow",
+                id=_stable_run_id(self.run_dir),
+            )
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        """Record ``metrics`` for ``step`` (non-finite values are written as null)."""
+        clean = {k: (float(v) if _finite(v) else None) for k, v in metrics.items()}
+        line = json.dumps({"step": int(step), "time": time.time(), **clean}, sort_keys=False)
+        self._file.write(line + "\n")
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        if self._wandb is not None:
+            self._wandb.log({k: v for k, v in clean.items() if v is not None}, step=int(step))
+
+    def truncate_after(self, step: int) -> None:
+        """Drop lines of steps > ``step`` (after resuming from the checkpoint of ``step``)."""
+        self._file.close()
+        kept = [r for r in read_metrics(self.path) if r["step"] <= step]
+        tmp = self.path.with_suffix(".jsonl.tmp")
+        with open(tmp, "w", encoding="utf-8") as f:
+            for r in kept:
+                f.write(json.dumps(r) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path)
+        self._file = open(self.path, "a", encoding="utf-8")
+
+    def close(self) -> None:
+        self._file.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """All records of a ``metrics.jsonl`` (a torn last line from a crash is skipped)."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "metrics.jsonl"
+    records = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue  # only a crash mid-write produces this, and only on the last line
+    return records
+
+
+def _finite(v: Any) -> bool:
+    try:
+        return math.isfinite(float(v))
+    except (TypeError, ValueError):
+        return False
+
+
+def _stable_run_id(run_dir: Path) -> str:
+    """The same wandb run id for the same run directory, so a resumed run continues it."""
+    import hashlib
+
+    return hashlib.sha1(str(run_dir.resolve()).encode()).hexdigest()[:16]
