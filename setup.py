@@ -27,6 +27,7 @@ INSTALL_REQUIRES = [
     "rich>=13",
     "math-verify>=0.9,<0.10",
     "matplotlib>=3.9,<4",  # tools/plot_run.py (Agg backend, no display)
+    "pyarrow>=26,<27",  # .parquet datasets (megatron_rl.data.loaders)
 ]
 
 EXTRAS_REQUIRE = {

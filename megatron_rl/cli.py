@@ -3,6 +3,7 @@
     megatron-rl train CONFIG [section.field=value ...] [--dry-run]
     megatron-rl convert hf-to-mcore --hf DIR --out DIR [--tp N --pp M]
     megatron-rl convert mcore-to-hf --mcore DIR --out DIR [--hf-config DIR]
+    megatron-rl generate-data {kk,toy} --out DIR ...
     megatron-rl --version
 
 Subcommands live in a small registry (:func:`register_subcommand`), so ``convert``,
@@ -134,10 +135,16 @@ def check_registries(config) -> None:
     # Imported here: it pulls in torch, which ``--help`` and config errors do not need.
     from megatron_rl.algo.advantages import UnknownEstimatorError, get_advantage_estimator
 
+    from megatron_rl.rewards import RewardLoadError, UnknownRewardError, get_reward
+
     try:
         get_advantage_estimator(config.algorithm.advantage.estimator)
     except UnknownEstimatorError as e:
         raise ConfigError("algorithm.advantage.estimator", str(e)) from None
+    try:
+        get_reward(config.data.reward)
+    except (UnknownRewardError, RewardLoadError) as e:
+        raise ConfigError("data.reward", str(e)) from None
 
 
 def _check_data_files(config) -> None:
@@ -224,6 +231,29 @@ register_subcommand(
     help="convert checkpoints: hf-to-mcore (HF safetensors -> megatron dist-checkpoint) or mcore-to-hf",
     add_arguments=_add_convert_arguments,
     run=_run_convert,
+)
+
+
+# --------------------------------------------------------------------------- generate-data
+
+
+def _add_generate_data_arguments(parser: argparse.ArgumentParser) -> None:
+    from megatron_rl.data import cli as data_cli
+
+    data_cli.add_arguments(parser)
+
+
+def _run_generate_data(args: argparse.Namespace) -> int:
+    from megatron_rl.data import cli as data_cli
+
+    return data_cli.run(args)
+
+
+register_subcommand(
+    "generate-data",
+    help="write prompt datasets: kk (Knights-and-Knaves puzzles) or toy (the CPU demo task)",
+    add_arguments=_add_generate_data_arguments,
+    run=_run_generate_data,
 )
 
 

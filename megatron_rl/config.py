@@ -413,8 +413,15 @@ class DataConfig:
     """Column (key) of a row holding what the reward function compares against."""
 
     reward: str = "kk_logic"
-    """Reward function: a registered name (``kk_logic``, ``math``) or ``module:function``
-    for a user function; checked against the registry when the run starts."""
+    """Reward function: a registered name (``kk_logic``, ``math``, ``toy_copy``) or
+    ``module:function`` for a user function; checked against the registry when the run starts."""
+
+    reward_timeout_s: float = 10.0
+    """Time limit for scoring one response; a response past it scores as a failed parse
+    (and is counted in ``reward/timeouts``)."""
+
+    num_reward_workers: int = 2
+    """Worker processes that score responses (model output is parsed there, never executed)."""
 
     prompt_template: Literal["chat", "literal", "none"] = "chat"
     """``chat``: the prompt as a user message in the tokenizer's chat template; ``literal``:
@@ -426,6 +433,8 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         check_literals(self)
+        require_range("reward_timeout_s", self.reward_timeout_s, gt=0.0)
+        require_range("num_reward_workers", self.num_reward_workers, ge=1)
         for key in ("prompt_key", "ground_truth_key"):
             if not getattr(self, key):
                 raise ConfigError(key, "got ''; must name a column")

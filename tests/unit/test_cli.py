@@ -171,3 +171,14 @@ def test_convert_subcommand_is_registered_and_reports_bad_input(tmp_path, capsys
     err = capsys.readouterr().err
     assert "error:" in err and "missing" in err
     assert not (tmp_path / "out").exists()
+
+
+def test_unknown_reward_is_named(tmp_path, capsys):
+    assert cli.main(_dry_run_args(tmp_path, "data.reward=kk_logik")) == 2
+    err = capsys.readouterr().err
+    assert "data.reward" in err and "kk_logic" in err
+
+
+def test_generate_data_subcommand_writes_toy_data(tmp_path):
+    assert cli.main(["generate-data", "toy", "--out", str(tmp_path / "toy")]) == 0
+    assert any((tmp_path / "toy").glob("*.jsonl"))

@@ -1,0 +1,189 @@
+"""Reading and writing prompt datasets (``.jsonl``, ``.parquet``).
+
+A row is a JSON object (a parquet record) with a prompt string and a ground truth; the
+column names are configurable (``data.prompt_key``, ``data.ground_truth_key``) and may be
+dotted paths into nested objects (``reward_model.ground_truth``, as verl's files have).
+Every other field is kept in :attr:`PromptRow.metadata` (e.g. ``num_people``, used to
+report K&K accuracy per N).
+
+A bad row raises :class:`DataError` naming the file, the row (1-based: the line number
+in a ``.jsonl`` file, the record number in a ``.parquet`` file) and the field: invalid
+JSON, a row that is not an object, a missing or null field, a prompt that is not a
+non-empty string. Blank lines in ``.jsonl`` are skipped (and still counted).
+
+Parquet needs ``pyarrow``, which is optional: reading a ``.parquet`` file without it is
+an error that says how to install it; :func:`parquet_available` tells writers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+_MISSING = object()
+
+
+class DataError(ValueError):
+    """A bad data file or row; ``file``, ``row`` (1-based, or None) and ``field`` say where."""
+
+    def __init__(self, message: str, *, file: str | os.PathLike, row: int | None = None, field: str | None = None):
+        self.file, self.row, self.field = str(file), row, field
+        where = self.file + (f", row {row}" if row is not None else "") + (f", field {field!r}" if field else "")
+        super().__init__(f"{where}: {message}")
+
+
+@dataclass(kw_only=True, frozen=True)
+class PromptRow:
+    """One prompt of a dataset, with where it came from."""
+
+    prompt: str
+    """The prompt field (the question; templating happens later, see ``data.prompts``)."""
+
+    ground_truth: Any
+    """What the reward function compares against (any JSON value but null)."""
+
+    file: str
+    """The file the row was read from."""
+
+    row: int
+    """1-based line number (``.jsonl``) or record number (``.parquet``) in ``file``."""
+
+    metadata: dict[str, Any] = field(default_factory=dict)
+    """The row's other top-level fields (``id``, ``num_people``, ...)."""
+
+
+def parquet_available() -> bool:
+    """Whether ``pyarrow`` can be imported (needed for ``.parquet`` files)."""
+    try:
+        import pyarrow  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _lookup(obj: dict[str, Any], key: str) -> Any:
+    """``obj[key]``, else the dotted path ``a.b.c`` into nested dicts; ``_MISSING`` if absent."""
+    if key in obj:
+        return obj[key]
+    value: Any = obj
+    for part in key.split("."):
+        if not isinstance(value, dict) or part not in value:
+            return _MISSING
+        value = value[part]
+    return value
+
+
+def iter_jsonl_records(path: str | os.PathLike) -> Iterator[tuple[int, dict[str, Any]]]:
+    """``(line number, object)`` for each non-blank line; :class:`DataError` on bad JSON."""
+    with open(path, encoding="utf-8") as f:
+        for line_no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"invalid JSON: {e.msg} at column {e.colno}", file=path, row=line_no) from None
+            if not isinstance(obj, dict):
+                raise DataError(f"expected a JSON object, got {type(obj).__name__}", file=path, row=line_no)
+            yield line_no, obj
+
+
+def iter_parquet_records(path: str | os.PathLike) -> Iterator[tuple[int, dict[str, Any]]]:
+    """``(record number, object)`` for each record of a parquet file (needs pyarrow)."""
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise DataError("reading .parquet needs pyarrow (pip install pyarrow), or use .jsonl", file=path) from None
+    try:
+        table = pq.read_table(path)
+    except Exception as e:  # pyarrow raises several types for a corrupt or non-parquet file
+        raise DataError(f"cannot read parquet: {type(e).__name__}: {e}", file=path) from None
+    yield from enumerate(table.to_pylist(), 1)
+
+
+def iter_records(path: str | os.PathLike) -> Iterator[tuple[int, dict[str, Any]]]:
+    """Raw records of a ``.jsonl`` or ``.parquet`` file, with 1-based row numbers."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError("no such file", file=path)
+    if path.suffix == ".jsonl":
+        return iter_jsonl_records(path)
+    if path.suffix == ".parquet":
+        return iter_parquet_records(path)
+    raise DataError(f"unsupported file type {path.suffix!r}; expected .jsonl or .parquet", file=path)
+
+
+def load_rows(
+    paths: str | os.PathLike | Sequence[str | os.PathLike],
+    *,
+    prompt_key: str = "prompt",
+    ground_truth_key: str = "ground_truth",
+) -> list[PromptRow]:
+    """All rows of the files, in order, checked (see the module doc for what a bad row is)."""
+    if isinstance(paths, (str, os.PathLike)):
+        paths = [paths]
+    rows = []
+    for path in paths:
+        for row_no, record in iter_records(path):
+            prompt = _lookup(record, prompt_key)
+            if prompt is _MISSING or prompt is None:
+                state = "missing" if prompt is _MISSING else "null"
+                raise DataError(f"prompt is {state}", file=path, row=row_no, field=prompt_key)
+            if not isinstance(prompt, str):
+                raise DataError(
+                    f"prompt must be a string, got {type(prompt).__name__}", file=path, row=row_no, field=prompt_key
+                )
+            if not prompt.strip():
+                raise DataError("prompt is empty", file=path, row=row_no, field=prompt_key)
+            truth = _lookup(record, ground_truth_key)
+            if truth is _MISSING or truth is None:
+                state = "missing" if truth is _MISSING else "null"
+                raise DataError(f"ground truth is {state}", file=path, row=row_no, field=ground_truth_key)
+            metadata = {k: v for k, v in record.items() if k not in (prompt_key, ground_truth_key)}
+            rows.append(PromptRow(prompt=prompt, ground_truth=truth, file=str(path), row=row_no, metadata=metadata))
+    return rows
+
+
+# --------------------------------------------------------------------------- writing
+
+
+def _atomic_write(path: Path, write) -> None:
+    """Write through a temporary file in the same directory, then rename (no half files)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_jsonl(path: str | os.PathLike, rows: Iterable[dict[str, Any]]) -> Path:
+    """One JSON object per line (UTF-8, non-ASCII kept as is)."""
+    path = Path(path)
+
+    def write(tmp: str) -> None:
+        with open(tmp, "w", encoding="utf-8") as f:
+            for row in rows:
+                f.write(json.dumps(row, ensure_ascii=False) + "\n")
+
+    _atomic_write(path, write)
+    return path
+
+
+def write_parquet(path: str | os.PathLike, rows: Sequence[dict[str, Any]]) -> Path:
+    """The rows as a parquet table (needs pyarrow; nested fields become struct/list columns)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = Path(path)
+    table = pa.Table.from_pylist(list(rows))
+    _atomic_write(path, lambda tmp: pq.write_table(table, tmp))
+    return path

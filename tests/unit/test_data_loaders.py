@@ -1,0 +1,93 @@
+"""Dataset loading: good rows, and bad rows whose errors name the file, the row and the field."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from megatron_rl.data import DataError, load_rows, parquet_available, write_jsonl, write_parquet
+
+GOOD = {"id": "a", "prompt": "Who?", "ground_truth": {"answer": "me"}, "num_people": 3}
+
+
+def _jsonl(path, *lines):
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+def test_loads_rows_with_metadata_and_line_numbers(tmp_path):
+    path = _jsonl(tmp_path / "d.jsonl", json.dumps(GOOD), "", "  ", json.dumps({**GOOD, "id": "b"}))
+    rows = load_rows(str(path))
+    assert [(r.row, r.metadata["id"]) for r in rows] == [(1, "a"), (4, "b")]  # blank lines counted, skipped
+    assert rows[0].prompt == "Who?" and rows[0].ground_truth == {"answer": "me"} and rows[0].file == str(path)
+    assert rows[0].metadata == {"id": "a", "num_people": 3}
+
+
+def test_several_files_in_order(tmp_path):
+    a = write_jsonl(tmp_path / "a.jsonl", [GOOD])
+    b = write_jsonl(tmp_path / "b.jsonl", [{**GOOD, "id": "b"}])
+    assert [r.metadata["id"] for r in load_rows([a, b])] == ["a", "b"]
+
+
+def test_configurable_and_dotted_keys(tmp_path):
+    row = {"question": "Q", "reward_model": {"ground_truth": "7"}}
+    path = write_jsonl(tmp_path / "verl.jsonl", [row])
+    (loaded,) = load_rows(path, prompt_key="question", ground_truth_key="reward_model.ground_truth")
+    assert loaded.prompt == "Q" and loaded.ground_truth == "7"
+
+
+BAD_ROWS = [
+    ("invalid_json", '{"prompt": "Q", "ground_truth": ', None, "invalid JSON"),
+    ("not_an_object", '["Q", "A"]', None, "expected a JSON object, got list"),
+    ("missing_prompt", '{"ground_truth": "A"}', "prompt", "prompt is missing"),
+    ("null_prompt", '{"prompt": null, "ground_truth": "A"}', "prompt", "prompt is null"),
+    ("prompt_wrong_type", '{"prompt": ["Q"], "ground_truth": "A"}', "prompt", "prompt must be a string, got list"),
+    ("empty_prompt", '{"prompt": "  ", "ground_truth": "A"}', "prompt", "prompt is empty"),
+    ("missing_ground_truth", '{"prompt": "Q"}', "ground_truth", "ground truth is missing"),
+    ("null_ground_truth", '{"prompt": "Q", "ground_truth": null}', "ground_truth", "ground truth is null"),
+]
+
+
+@pytest.mark.parametrize("line, field, message", [c[1:] for c in BAD_ROWS], ids=[c[0] for c in BAD_ROWS])
+def test_bad_row_errors_name_file_row_and_field(tmp_path, line, field, message):
+    path = _jsonl(tmp_path / "bad.jsonl", json.dumps(GOOD), "", line)
+    with pytest.raises(DataError) as err:
+        load_rows(path)
+    e = err.value
+    assert (e.file, e.row, e.field) == (str(path), 3, field)
+    expected_where = f"{path}, row 3" + (f", field {field!r}" if field else "")
+    assert str(e).startswith(expected_where + ": ") and message in str(e)
+
+
+def test_custom_key_is_named_in_the_error(tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"question": "Q", "solution": 1}, {"question": "Q"}])
+    with pytest.raises(DataError, match=r"d\.jsonl, row 2, field 'solution': ground truth is missing"):
+        load_rows(path, prompt_key="question", ground_truth_key="solution")
+
+
+@pytest.mark.parametrize("name, message", [("missing.jsonl", "no such file"), ("data.csv", "unsupported file type")])
+def test_file_errors(tmp_path, name, message):
+    if name.endswith(".csv"):
+        (tmp_path / name).write_text("a,b\n")
+    with pytest.raises(DataError, match=message) as err:
+        load_rows(tmp_path / name)
+    assert err.value.file == str(tmp_path / name) and err.value.row is None
+
+
+def test_parquet_round_trip_and_bad_row(tmp_path):
+    if not parquet_available():
+        pytest.skip("pyarrow is not installed")
+    rows = [GOOD, {**GOOD, "id": "b", "ground_truth": {"answer": "you"}}]
+    loaded = load_rows(write_parquet(tmp_path / "d.parquet", rows))
+    assert [(r.row, r.prompt, r.ground_truth, r.metadata) for r in loaded] == [
+        (1, "Who?", {"answer": "me"}, {"id": "a", "num_people": 3}),
+        (2, "Who?", {"answer": "you"}, {"id": "b", "num_people": 3}),
+    ]
+    bad_rows = [{"prompt": "Q", "ground_truth": "A"}, {"prompt": None, "ground_truth": "A"}]
+    bad = write_parquet(tmp_path / "bad.parquet", bad_rows)
+    with pytest.raises(DataError, match=r"bad\.parquet, row 2, field 'prompt': prompt is null"):
+        load_rows(bad)
+    (tmp_path / "junk.parquet").write_text("not parquet")
+    with pytest.raises(DataError, match="cannot read parquet"):
+        load_rows(tmp_path / "junk.parquet")
