@@ -139,7 +139,7 @@ def prompt_prefills_think(prompt: str) -> bool:
     return prompt.rstrip().endswith(THINK_OPEN)
 
 
-@register_reward("kk_logic", failure_score=MIN_SCORE)
+@register_reward("kk_logic", failure_score=MIN_SCORE, success_score=MAX_SCORE)
 def kk_logic(response: str, ground_truth: Any, *, prompt: str = "") -> RewardResult:
     """Logic-RL's K&K reward (totals 3 / -0.5 / -1 / -3); ``prompt`` tells whether ``<think>`` was pre-filled."""
     return score_kk(response, ground_truth, think_prefilled=prompt_prefills_think(prompt))

@@ -134,7 +134,7 @@ def score_math(response: str, ground_truth: Any) -> RewardResult:
     return RewardResult(score=1.0 if correct else 0.0, extras={"answer": "right" if correct else "wrong"})
 
 
-@register_reward("math", failure_score=0.0)
+@register_reward("math", failure_score=0.0, success_score=1.0)
 def math_reward(response: str, ground_truth: Any) -> RewardResult:
     """math-verify on the last ``\\boxed{}``: 1.0 right, 0.0 wrong or unparseable."""
     return score_math(response, ground_truth)

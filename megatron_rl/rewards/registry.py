@@ -20,7 +20,8 @@ Names resolve in one of two ways (:func:`get_reward`):
 Every function has a ``failure_score``: what a sample scores when the function raised,
 timed out, or returned something that is not a finite number (see :func:`call_reward`).
 It is the registration's ``failure_score`` argument, or for ``module:function`` the
-function's ``failure_score`` attribute if it has one, else 0.0.
+function's ``failure_score`` attribute if it has one, else 0.0. Likewise ``success_score``
+(default 1.0): a response scoring at least this counts as correct in accuracy metrics.
 
 Model output is data, never code: nothing here (or in the built-in rewards) calls
 ``eval``/``exec`` on a response.
@@ -90,6 +91,10 @@ class RewardFunction:
     failure_score: float = 0.0
     """Score of a sample whose scoring raised, timed out or returned a non-number."""
 
+    success_score: float = 1.0
+    """A response scoring at least this counts as correct in accuracy metrics (3 for
+    ``kk_logic``: format and every role right)."""
+
     accepts_prompt: bool = True
     """Whether ``fn`` takes the ``prompt`` keyword (decided once, from its signature)."""
 
@@ -121,7 +126,9 @@ def _accepts_prompt(fn: Callable[..., Any], name: str) -> bool:
     return accepts
 
 
-def register_reward(name: str, *, failure_score: float = 0.0) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+def register_reward(
+    name: str, *, failure_score: float = 0.0, success_score: float = 1.0
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Decorator registering a reward function under ``name``; a second registration raises.
 
     Example::
@@ -139,7 +146,11 @@ def register_reward(name: str, *, failure_score: float = 0.0) -> Callable[[Calla
         if name in _REGISTRY:
             raise ValueError(f"reward {name!r} is already registered (by {_REGISTRY[name].fn!r})")
         _REGISTRY[name] = RewardFunction(
-            name=name, fn=fn, failure_score=float(failure_score), accepts_prompt=_accepts_prompt(fn, name)
+            name=name,
+            fn=fn,
+            failure_score=float(failure_score),
+            success_score=float(success_score),
+            accepts_prompt=_accepts_prompt(fn, name),
         )
         return fn
 
@@ -170,8 +181,15 @@ def _load_by_path(spec: str) -> RewardFunction:
     failure_score = getattr(obj, "failure_score", 0.0)
     if not isinstance(failure_score, (int, float)) or not math.isfinite(failure_score):
         raise RewardLoadError(f"reward {spec!r}: its failure_score attribute must be a finite number")
+    success_score = getattr(obj, "success_score", 1.0)
+    if not isinstance(success_score, (int, float)) or not math.isfinite(success_score):
+        raise RewardLoadError(f"reward {spec!r}: its success_score attribute must be a finite number")
     return RewardFunction(
-        name=spec, fn=obj, failure_score=float(failure_score), accepts_prompt=_accepts_prompt(obj, spec)
+        name=spec,
+        fn=obj,
+        failure_score=float(failure_score),
+        success_score=float(success_score),
+        accepts_prompt=_accepts_prompt(obj, spec),
     )
 
 

@@ -45,7 +45,7 @@ def score_copy(response: str, ground_truth: Any) -> RewardResult:
     return RewardResult(score=score, extras={"num_right": num_right, "stopped": stopped})
 
 
-@register_reward("toy_copy", failure_score=0.0)
+@register_reward("toy_copy", failure_score=0.0, success_score=1.0)
 def toy_copy(response: str, ground_truth: Any) -> RewardResult:
     """Dense copy-task reward in [0, 1]; 1.0 only for the exact target followed by a stop."""
     return score_copy(response, ground_truth)

@@ -118,3 +118,11 @@ def test_exceptions_score_the_failure_value():
     result = call_reward(as_reward(boom), "r", "g")
     assert result.score == -2.5 and result.parse_failed and not result.timed_out
     assert result.error == "KeyError: 'no answer'"
+
+
+def test_success_scores_of_the_builtins():
+    from megatron_rl.rewards import get_reward
+
+    assert get_reward("kk_logic").success_score == 3.0
+    assert get_reward("math").success_score == 1.0
+    assert get_reward("toy_copy").success_score == 1.0

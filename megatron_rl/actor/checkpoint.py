@@ -1,0 +1,346 @@
+"""Actor checkpoints: megatron ``dist_checkpointing`` of model + optimizer, plus RNG and counters.
+
+Layout of ``<dir>`` (a megatron-core ``torch_dist`` checkpoint with extras)::
+
+    .metadata, __*_*.distcp, common.pt, metadata.json   model + optimizer (dist_checkpointing)
+    actor_state.json      counters, Adam step, LR-scheduler state, layout it was written at
+    rng/rank<r>.pt        per-rank RNG states (Python, NumPy, torch, megatron's tracker)
+    hf_config/            config.json (+ generation config, tokenizer files when known)
+
+and ``<dir>/../latest`` holds the name of the newest checkpoint directory.
+
+Atomicity: every rank writes into the temporary sibling ``<parent>/.<name>.tmp``; after
+a barrier, global rank 0 renames it to ``<dir>`` (replacing an older ``<dir>``) and
+rewrites ``latest`` through ``os.replace`` of a temporary file, so a crash leaves
+either the old or the new checkpoint and pointer, never a partial one.
+
+Model weights are stored TP/PP-independently (full tensors, layers stacked), so they
+load at any TP/PP and ``megatron-rl convert mcore-to-hf`` exports them.
+
+Optimizer state (DistributedOptimizer), two formats:
+
+* ``dp_reshardable`` (default, Megatron-LM's default): each rank writes its own buffer
+  shards, no gathering. Reshards across DP only; loaded at another TP or PP, the
+  weights, LR schedule and counters are restored and the Adam moments start fresh (a
+  warning says so).
+* ``fully_reshardable``: gathered to DP rank 0 on save into per-parameter tensors;
+  loads at any TP/PP/DP (tested: TP=2 -> TP=1 x PP=2 resumes like not stopping).
+  Costs a gather of the optimizer state of each model-parallel shard on save.
+
+Two megatron-core 0.16.1 issues of the torch-AdamW path (CPU, no TE/Apex) are handled
+here without patching: a fresh optimizer has no per-parameter state yet, so it cannot
+describe what it loads (``init_adam_state`` allocates exactly what torch's first step
+would), and ``fully_reshardable`` loading trips over the ``step`` state key
+(``_load_optimizer_state`` calls megatron's two load halves with ``step`` held out).
+The Adam step count itself is written to ``actor_state.json`` and restored into
+separate per-parameter tensors: megatron's loader hands every parameter the SAME
+tensor, which torch's AdamW would then increment once per parameter per step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl.actor import cpu_shim
+from megatron_rl.actor.launch import ProcessGroups
+
+__all__ = [
+    "OPTIMIZER_SHARDING",
+    "STATE_FILE",
+    "LATEST_FILE",
+    "HF_CONFIG_SUBDIR",
+    "resolve_checkpoint_dir",
+    "save_checkpoint",
+    "load_checkpoint",
+    "adam_step",
+    "set_adam_step",
+    "init_adam_state",
+]
+
+OPTIMIZER_SHARDING = "dp_reshardable"
+"""Default DistributedOptimizer checkpoint format (Megatron-LM's default too)."""
+OptimizerSharding = Literal["dp_reshardable", "fully_reshardable"]
+STATE_FILE = "actor_state.json"
+LATEST_FILE = "latest"
+HF_CONFIG_SUBDIR = "hf_config"
+_FORMAT = "megatron_rl.actor/1"
+_MODEL_RESHARDABLE = ("fully_reshardable",)  # optimizer formats that load at another TP/PP
+
+
+def _chained(optimizer) -> list:
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def adam_step(optimizer) -> float | None:
+    """The Adam step count of a megatron optimizer (None before the first step)."""
+    steps = set()
+    for opt in _chained(optimizer):
+        for state in opt.optimizer.state.values():
+            if "step" in state:
+                steps.add(float(state["step"]))
+    if len(steps) > 1:
+        raise RuntimeError(f"inconsistent Adam step counts across parameters: {sorted(steps)}")
+    return steps.pop() if steps else None
+
+
+def set_adam_step(optimizer, step: float) -> None:
+    """Set the per-parameter Adam ``step`` of every (allocated) optimizer state."""
+    for opt in _chained(optimizer):
+        for state in opt.optimizer.state.values():
+            if "step" in state:
+                old = state["step"]
+                if torch.is_tensor(old):  # a new tensor per parameter: never shared
+                    state["step"] = torch.tensor(float(step), dtype=old.dtype, device=old.device)
+                else:
+                    state["step"] = float(step)
+
+
+def init_adam_state(optimizer) -> None:
+    """Allocate torch Adam's per-parameter state (zeros, ``step`` 0) where it is still empty.
+
+    Without TE/Apex (CPU) megatron uses ``torch.optim.AdamW``, whose state appears only
+    at the first step; the DistributedOptimizer's ``state_dict()`` asserts on a ``step``
+    entry, so a fresh optimizer cannot even describe what it wants to load. This is
+    exactly the state torch's Adam creates lazily, so it changes nothing else.
+    """
+    for opt in _chained(optimizer):
+        inner = opt.optimizer
+        if not isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
+            continue
+        for group in inner.param_groups:
+            for p in group["params"]:
+                state = inner.state[p]
+                if len(state) == 0:
+                    state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+
+def resolve_checkpoint_dir(path: str | Path) -> Path:
+    """``path`` itself if it is a checkpoint, else the one named by ``path/latest``."""
+    path = Path(path)
+    if (path / "metadata.json").is_file():
+        return path
+    pointer = path / LATEST_FILE
+    if pointer.is_file():
+        target = path / pointer.read_text().strip()
+        if (target / "metadata.json").is_file():
+            return target
+        raise FileNotFoundError(f"{pointer} names {target}, which is not a checkpoint")
+    raise FileNotFoundError(f"no checkpoint at {path} (no metadata.json and no '{LATEST_FILE}' pointer)")
+
+
+def _rng_state() -> dict[str, Any]:
+    import numpy as np
+    from megatron.core import tensor_parallel
+
+    state = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: Mapping[str, Any]) -> None:
+    import numpy as np
+    from megatron.core import tensor_parallel
+
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def _write_text_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def save_checkpoint(
+    directory: str | Path,
+    *,
+    model: torch.nn.Module,
+    optimizer,
+    groups: ProcessGroups,
+    actor_state: Mapping[str, Any],
+    hf_config: Mapping[str, Any],
+    hf_source_dir: Path | None = None,
+    optimizer_sharding: OptimizerSharding = OPTIMIZER_SHARDING,
+) -> Path:
+    """Write a checkpoint of ``model`` (the unwrapped GPTModel) and ``optimizer`` to ``directory``.
+
+    Collective over the whole world (barriers, dist_checkpointing). ``actor_state`` is
+    written to ``actor_state.json`` by global rank 0 (JSON-serialisable values). Returns
+    the final directory.
+    """
+    from megatron.core import dist_checkpointing
+
+    final = Path(directory).absolute()
+    tmp = final.parent / f".{final.name}.tmp"
+    rank = dist.get_rank()
+    if rank == 0:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():
+            shutil.rmtree(tmp)  # left over by a crashed save
+        tmp.mkdir(parents=True)  # empty: megatron warns about a non-empty target
+    dist.barrier()
+
+    if optimizer_sharding not in ("dp_reshardable", "fully_reshardable"):
+        raise ValueError(f"optimizer_sharding must be 'dp_reshardable' or 'fully_reshardable', got {optimizer_sharding!r}")
+    metadata = {"distrib_optim_sharding_type": optimizer_sharding}
+    with cpu_shim.cuda_to_cpu():
+        model_sd = model.sharded_state_dict()
+        state = {"model": model_sd}
+        if optimizer is not None:
+            state["optimizer"] = optimizer.sharded_state_dict(model_sd, metadata=metadata)
+        dist_checkpointing.save(state, str(tmp))
+    (tmp / "rng").mkdir(exist_ok=True)
+    torch.save(
+        {"layout": _layout(groups), "state": _rng_state()},
+        tmp / "rng" / f"rank{rank}.pt",
+    )
+    dist.barrier()
+    if rank == 0:
+        record = {"format": _FORMAT, "layout": _layout(groups), "optimizer_sharding": optimizer_sharding, **actor_state}
+        (tmp / STATE_FILE).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
+        cfg_dir = tmp / HF_CONFIG_SUBDIR
+        cfg_dir.mkdir()
+        if hf_source_dir is not None:
+            from megatron_rl.models.hf_io import copy_aux_files
+
+            copy_aux_files(hf_source_dir, cfg_dir)
+        (cfg_dir / "config.json").write_text(json.dumps(dict(hf_config), indent=2, sort_keys=True) + "\n")
+        old = final.parent / f".{final.name}.old"
+        if final.exists():
+            if old.exists():
+                shutil.rmtree(old)
+            os.rename(final, old)
+        os.rename(tmp, final)
+        if old.exists():
+            shutil.rmtree(old)
+        _write_text_atomic(final.parent / LATEST_FILE, final.name + "\n")
+    dist.barrier()
+    return final
+
+
+def _load_optimizer_state(optimizer, state: dict) -> None:
+    """``optimizer.load_state_dict(state)``, working around a megatron-core 0.16.1 bug.
+
+    With torch's AdamW (no TE/Apex), ``load_parameter_state_from_fully_reshardable``
+    copies every key of the per-parameter state, ``step`` included, from tensors that
+    never contain ``step`` (``KeyError: 'step'``). For that format the two halves of
+    ``DistributedOptimizer.load_state_dict`` are called here in turn, with ``step`` held
+    out of the state during the second; the step is restored by the caller. Megatron's
+    own methods only, nothing patched.
+    """
+    chained = _chained(optimizer)
+    if len(chained) != 1 or not isinstance(state, dict) or state.get("param_state_sharding_type") != "fully_reshardable":
+        optimizer.load_state_dict(state)
+        return
+    (opt,) = chained
+    rest = {k: v for k, v in state.items() if k not in ("param_state", "param_state_sharding_type")}
+    opt.load_state_dict(rest)  # torch optimizer skeleton, param groups, grad scaler
+    held = {}
+    for key, entry in opt.optimizer.state.items():
+        if "step" in entry:
+            held[key] = entry.pop("step")
+    opt.load_parameter_state_from_fully_reshardable(state["param_state"])
+    for key, step in held.items():
+        opt.optimizer.state[key]["step"] = step
+
+
+def _layout(groups: ProcessGroups) -> dict[str, int]:
+    return {"tp": groups.tp_size, "pp": groups.pp_size, "dp": groups.dp_size}
+
+
+def load_checkpoint(
+    directory: str | Path,
+    *,
+    model: torch.nn.Module,
+    optimizer,
+    groups: ProcessGroups,
+    load_optimizer: bool | None = None,
+    load_rng: bool = True,
+) -> dict[str, Any]:
+    """Load a checkpoint (or ``directory/latest``) into ``model`` and ``optimizer``.
+
+    ``load_optimizer``: ``None`` loads the optimizer state when the checkpoint has one
+    that fits (written at this TP/PP, or ``fully_reshardable``; warns and skips
+    otherwise); ``True`` requires it;
+    ``False`` loads weights only. A weights-only checkpoint (e.g. from ``megatron-rl
+    convert hf-to-mcore``) loads too. RNG states are restored when the checkpoint was
+    written at the same TP/PP/DP. Returns the saved ``actor_state.json`` content
+    (``{}`` for a checkpoint without one) plus ``"loaded_optimizer": bool``.
+    Collective over the whole world.
+    """
+    from megatron.core import dist_checkpointing
+
+    path = resolve_checkpoint_dir(directory)
+    record = json.loads((path / STATE_FILE).read_text()) if (path / STATE_FILE).is_file() else {}
+    saved_layout = record.get("layout")
+    here = _layout(groups)
+    has_optimizer = "optimizer_sharding" in record
+    same_model_layout = saved_layout is not None and all(saved_layout[k] == here[k] for k in ("tp", "pp"))
+    reshardable = has_optimizer and (same_model_layout or record["optimizer_sharding"] in _MODEL_RESHARDABLE)
+    if load_optimizer is None:
+        load_optimizer = optimizer is not None and reshardable
+        if has_optimizer and not reshardable and dist.get_rank() == 0:
+            warnings.warn(
+                f"checkpoint {path} was written at TP={saved_layout['tp']} PP={saved_layout['pp']}; "
+                f"loading weights only at TP={here['tp']} PP={here['pp']} (optimizer state is "
+                f"'{record['optimizer_sharding']}', which reshards across DP only)",
+                stacklevel=2,
+            )
+    elif load_optimizer and not (reshardable and optimizer is not None):
+        raise ValueError(f"cannot load optimizer state from {path}: saved layout {saved_layout}, here {here}")
+
+    with cpu_shim.cuda_to_cpu():
+        state = {"model": model.sharded_state_dict()}
+        if load_optimizer:
+            init_adam_state(optimizer)
+            state["optimizer"] = optimizer.sharded_state_dict(
+                model.sharded_state_dict(), is_loading=True, metadata={"distrib_optim_sharding_type": record["optimizer_sharding"]}
+            )
+    with cpu_shim.cuda_to_cpu(), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*load_state_dict.*deprecated", category=FutureWarning)
+        loaded = dist_checkpointing.load(state, str(path))
+    model.load_state_dict(loaded["model"])
+    if optimizer is not None:
+        with torch.no_grad(), cpu_shim.cuda_to_cpu():
+            if load_optimizer:
+                # fp32 DistributedOptimizer loads copy into views of requires-grad params.
+                _load_optimizer_state(optimizer, loaded["optimizer"])
+                # DistributedOptimizer.load_state_dict gives every parameter the SAME step
+                # tensor, which torch's AdamW then increments once per parameter per step:
+                # restore the saved count into separate tensors.
+                step = record.get("adam_step")
+                if step is None:
+                    step = adam_step(optimizer)
+                if step is not None:
+                    set_adam_step(optimizer, step)
+            else:
+                # Master weights (fp32 copies of bf16 params) must follow the new weights.
+                optimizer.reload_model_params()
+    rng_file = path / "rng" / f"rank{dist.get_rank()}.pt"
+    if load_rng and saved_layout == here and rng_file.is_file():
+        saved = torch.load(rng_file, weights_only=False)
+        _set_rng_state(saved["state"])
+    dist.barrier()
+    return {**record, "loaded_optimizer": bool(load_optimizer)}

@@ -1,0 +1,165 @@
+"""Process start-up for actor ranks: torch.distributed, megatron parallel state, CPU shim, seeds.
+
+One process per rank, started by ``torchrun``, ``torch.multiprocessing.spawn`` (tests)
+or a Ray actor (the trainer). The launcher sets the usual environment
+(``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``) or calls
+:func:`init_process_group` with explicit values.
+
+Rank layout is megatron-core's default order ``tp-cp-ep-dp-pp``: tensor-parallel
+ranks are adjacent, pipeline stages are farthest apart. With 4 ranks, TP=2, PP=2:
+ranks {0,1} are stage 0, {2,3} stage 1, and the TP groups are {0,1}, {2,3}.
+
+Scripts that save dist-checkpoints must keep ``init_process_group`` under an
+``if __name__ == "__main__":`` guard: megatron's checkpoint writer starts helper
+processes with the ``spawn`` method, which re-import ``__main__``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import random
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl.actor import cpu_shim
+
+__all__ = ["ProcessGroups", "init_process_group", "initialize_parallel", "destroy_parallel", "set_seed"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProcessGroups:
+    """The process groups an actor rank uses, with its coordinates in each.
+
+    Passed explicitly to every function that runs a collective, so none of them reads
+    megatron's global parallel state. Built by :func:`initialize_parallel`.
+    """
+
+    tp: dist.ProcessGroup
+    """Tensor-parallel group: ranks holding shards of the same layers."""
+    pp: dist.ProcessGroup
+    """Pipeline-parallel group: one rank per stage, same TP and DP coordinates."""
+    dp: dist.ProcessGroup
+    """Data-parallel group: replicas of the same shards (gradient reduction, metrics)."""
+    tp_rank: int
+    """This rank's index in ``tp`` (which vocabulary / head shard it holds)."""
+    tp_size: int
+    """Tensor-parallel size."""
+    pp_rank: int
+    """Pipeline stage of this rank (0 = embedding side)."""
+    pp_size: int
+    """Number of pipeline stages."""
+    dp_rank: int
+    """Data-parallel replica index (which rows of a batch this rank trains on)."""
+    dp_size: int
+    """Number of data-parallel replicas (world / (TP * PP))."""
+    pp_global_ranks: tuple[int, ...]
+    """Global rank of each stage of this rank's PP group, stage 0 first."""
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+    @property
+    def last_stage_global_rank(self) -> int:
+        """Global rank of the last stage of this rank's pipeline (the source of outputs)."""
+        return self.pp_global_ranks[-1]
+
+
+def init_process_group(
+    *,
+    backend: str | None = None,
+    rank: int | None = None,
+    world_size: int | None = None,
+    timeout_minutes: int = 30,
+) -> None:
+    """Initialise torch.distributed once per process (a no-op when already initialised).
+
+    ``backend=None`` picks ``nccl`` when CUDA is available, else ``gloo``. Rank and world
+    size default to the ``RANK`` / ``WORLD_SIZE`` environment variables (env:// init).
+    On CUDA the device is set from ``LOCAL_RANK``.
+    """
+    if dist.is_initialized():
+        return
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    kwargs = {}
+    if rank is not None:
+        kwargs["rank"] = rank
+    if world_size is not None:
+        kwargs["world_size"] = world_size
+    dist.init_process_group(backend, timeout=datetime.timedelta(minutes=timeout_minutes), **kwargs)
+
+
+def initialize_parallel(
+    *, tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1, seed: int = 1234
+) -> ProcessGroups:
+    """Set up megatron's parallel state (TP/PP/DP) and the RNGs on an initialised process group.
+
+    Applies the CPU shim first when CUDA is unavailable (see ``cpu_shim``). Re-initialises
+    the parallel state if it already exists, so one process can build actors of several
+    layouts one after the other (the tests do). DP = world / (TP * PP).
+
+    Seeds: Python, NumPy and torch get ``seed + 100 * pp_rank`` (Megatron-LM's convention:
+    stages draw different dropout masks, TP ranks of a stage the same CPU stream, which
+    ``use_cpu_initialization`` needs to build identical master weights);
+    ``model_parallel_cuda_manual_seed`` derives the tensor-parallel region streams.
+    """
+    if not dist.is_initialized():
+        raise RuntimeError("torch.distributed is not initialised: call init_process_group() first")
+    cpu_shim.apply()
+    from megatron.core import parallel_state as ps
+
+    world = dist.get_world_size()
+    model_parallel = tensor_model_parallel_size * pipeline_model_parallel_size
+    if world % model_parallel:
+        raise ValueError(f"world size {world} is not a multiple of TP * PP = {model_parallel}")
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=tensor_model_parallel_size,
+        pipeline_model_parallel_size=pipeline_model_parallel_size,
+    )
+    groups = ProcessGroups(
+        tp=ps.get_tensor_model_parallel_group(),
+        pp=ps.get_pipeline_model_parallel_group(),
+        dp=ps.get_data_parallel_group(),
+        tp_rank=ps.get_tensor_model_parallel_rank(),
+        tp_size=ps.get_tensor_model_parallel_world_size(),
+        pp_rank=ps.get_pipeline_model_parallel_rank(),
+        pp_size=ps.get_pipeline_model_parallel_world_size(),
+        dp_rank=ps.get_data_parallel_rank(),
+        dp_size=ps.get_data_parallel_world_size(),
+        pp_global_ranks=tuple(dist.get_process_group_ranks(ps.get_pipeline_model_parallel_group())),
+    )
+    set_seed(seed, pp_rank=groups.pp_rank)
+    return groups
+
+
+def set_seed(seed: int, *, pp_rank: int = 0) -> None:
+    """Seed Python, NumPy, torch and megatron's model-parallel RNG tracker (see :func:`initialize_parallel`)."""
+    import numpy as np
+    from megatron.core import tensor_parallel
+
+    stage_seed = seed + 100 * pp_rank
+    random.seed(stage_seed)
+    np.random.seed(stage_seed % 2**32)
+    torch.manual_seed(stage_seed)
+    with cpu_shim.cuda_to_cpu():
+        tensor_parallel.model_parallel_cuda_manual_seed(stage_seed)
+
+
+def destroy_parallel() -> None:
+    """Tear down megatron's parallel state (the torch.distributed group stays)."""
+    from megatron.core import parallel_state as ps
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()

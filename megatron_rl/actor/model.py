@@ -1,0 +1,209 @@
+"""Build a megatron-core ``GPTModel`` (one pipeline stage) from a Hugging Face ``config.json``.
+
+The architecture numbers, layer spec and weight layout come from the per-architecture
+adapters in ``megatron_rl.models`` (dispatch on ``model_type``: qwen2 incl. Qwen2.5 with
+q/k/v biases and tied or untied embeddings, qwen3 with q/k RMSNorm, llama). This module
+adds what the adapters leave to the caller: parallel sizes, dtype, the per-token loss
+contract, the CPU flags and Transformer-Engine / FP8 options.
+
+Spec: Transformer-Engine layers on a CUDA machine where ``transformer_engine`` imports,
+the local (pure megatron-core) spec otherwise; both give the same checkpoint keys, so a
+checkpoint moves between them. FP8 (TE only) is off by default.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from megatron_rl.actor import cpu_shim
+from megatron_rl.models import DecoderAdapter, adapter_for_config, padded_vocab_size
+from megatron_rl.models.common import config_dict
+
+__all__ = ["ModelOptions", "load_hf_config", "te_available", "build_transformer_config", "build_gpt_model"]
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass(kw_only=True)
+class ModelOptions:
+    """Precision and kernel choices for the actor model (architecture comes from the HF config)."""
+
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Parameter and activation dtype. Gradients are reduced and the optimizer keeps its
+    master weights and moments in float32 in both cases."""
+
+    use_te: bool | None = None
+    """Transformer-Engine layer spec: ``None`` picks it on CUDA when ``transformer_engine``
+    imports, else the local spec; ``True`` without TE fails at build time."""
+
+    fp8: Literal["e4m3", "hybrid"] | None = None
+    """FP8 GEMMs (TE spec only): ``e4m3`` everywhere, or ``hybrid`` (e4m3 forward, e5m2
+    gradients); ``None`` disables FP8 (default)."""
+
+    fp8_recipe: Literal["delayed", "tensorwise", "mxfp8", "blockwise"] = "delayed"
+    """FP8 scaling recipe passed to megatron-core (``delayed`` = TE DelayedScaling)."""
+
+    fp8_margin: int = 0
+    """Scaling-factor margin (powers of two) of the delayed recipe."""
+
+    fp8_amax_history_len: int = 1024
+    """Length of the amax history window of the delayed recipe."""
+
+    fp8_amax_compute_algo: Literal["most_recent", "max"] = "max"
+    """How the scale is derived from the amax history."""
+
+    make_vocab_size_divisible_by: int = 128
+    """Embedding / output rows are padded to a multiple of this times TP (Megatron-LM
+    convention; padding rows never enter the loss and are stripped on export)."""
+
+    transformer_config_overrides: dict[str, Any] = field(default_factory=dict)
+    """Extra ``TransformerConfig`` keyword arguments passed through unchanged (e.g.
+    ``recompute_granularity``); applied last."""
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.fp8 is not None and self.use_te is False:
+            raise ValueError("fp8 needs the Transformer-Engine spec; use_te=False was given")
+        if self.fp8_amax_history_len < 1 or self.fp8_margin < 0:
+            raise ValueError("fp8_amax_history_len must be >= 1 and fp8_margin >= 0")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]
+
+
+def load_hf_config(source: Any) -> dict[str, Any]:
+    """A ``config.json`` dict from a HF model directory, a ``config.json`` path, a dict or a
+    ``PretrainedConfig``."""
+    if isinstance(source, (str, Path)):
+        path = Path(source)
+        if path.is_dir():
+            path = path / "config.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"HF config not found: {path}")
+        return json.loads(path.read_text())
+    return config_dict(source)
+
+
+def te_available() -> bool:
+    """Whether the Transformer-Engine spec can be used: CUDA present and TE importable."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _resolve_use_te(options: ModelOptions) -> bool:
+    use_te = te_available() if options.use_te is None else options.use_te
+    if use_te and not te_available():
+        raise RuntimeError("use_te=True but transformer_engine is not importable on a CUDA machine")
+    if options.fp8 is not None and not use_te:
+        raise RuntimeError("fp8 needs the Transformer-Engine spec, which is not available here")
+    return use_te
+
+
+def build_transformer_config(
+    hf_config: Mapping[str, Any],
+    *,
+    tensor_model_parallel_size: int,
+    pipeline_model_parallel_size: int,
+    options: ModelOptions,
+):
+    """A megatron-core ``TransformerConfig`` for ``hf_config`` at the given parallel sizes.
+
+    Besides the adapter's architecture fields it sets:
+
+    * ``calculate_per_token_loss=True``: the loss function returns a SUM and a token count;
+      megatron DDP sums gradients over DP (no averaging) and ``finalize_model_grads``
+      divides them by the global count (summed over micro-batches, broadcast from the
+      last pipeline stage, all-reduced over DP);
+    * ``variable_seq_lengths=True``: each micro-batch is trimmed to its own longest
+      sequence, and pipeline stages exchange activation shapes before each transfer;
+    * ``pipeline_dtype`` equal to the parameter dtype (the CPU layer norm rejects mixed
+      dtypes), the CPU flags from ``cpu_shim.transformer_config_overrides()``, FP8 options.
+    """
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    adapter = adapter_for_config(hf_config)
+    dtype = options.torch_dtype
+    use_te = _resolve_use_te(options)
+    kwargs: dict[str, Any] = dict(adapter.transformer_config_kwargs(hf_config))
+    kwargs.update(cpu_shim.transformer_config_overrides())
+    kwargs.update(
+        tensor_model_parallel_size=tensor_model_parallel_size,
+        pipeline_model_parallel_size=pipeline_model_parallel_size,
+        sequence_parallel=False,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        calculate_per_token_loss=True,
+        variable_seq_lengths=True,
+        # Checked even for dense models: the default MoE dispatcher rejects variable lengths.
+        moe_token_dispatcher_type="alltoall",
+    )
+    if options.fp8 is not None:
+        kwargs.update(
+            fp8=options.fp8,
+            fp8_recipe=options.fp8_recipe,
+            fp8_margin=options.fp8_margin,
+            fp8_amax_history_len=options.fp8_amax_history_len,
+            fp8_amax_compute_algo=options.fp8_amax_compute_algo,
+        )
+    if not use_te:
+        # The local spec has no fused kernels for these even on CUDA.
+        kwargs.update(gradient_accumulation_fusion=False)
+    kwargs.update(options.transformer_config_overrides)
+    return TransformerConfig(**kwargs)
+
+
+def build_gpt_model(
+    hf_config: Mapping[str, Any],
+    transformer_config,
+    *,
+    pre_process: bool,
+    post_process: bool,
+    options: ModelOptions,
+    adapter: DecoderAdapter | None = None,
+):
+    """The ``GPTModel`` of one pipeline stage (``pre_process``: embedding; ``post_process``:
+    final norm + output layer), vocabulary padded for TP.
+
+    The output layer keeps its logits vocab-parallel (``parallel_output=True``): the loss
+    is the fused vocab-parallel op, which never gathers the vocabulary. Parameters are
+    cast to ``options.dtype`` after construction (as Megatron-LM's ``Float16Module``
+    does); RoPE frequencies are not parameters and stay float32.
+    """
+    from megatron.core.models.gpt import GPTModel
+
+    adapter = adapter or adapter_for_config(hf_config)
+    use_te = _resolve_use_te(options)
+    vocab = padded_vocab_size(
+        int(hf_config["vocab_size"]),
+        tp_size=transformer_config.tensor_model_parallel_size,
+        divisible_by=options.make_vocab_size_divisible_by,
+    )
+    # Tied embeddings with PP > 1 call .cuda() on the output weight at construction.
+    with cpu_shim.cuda_to_cpu():
+        model = GPTModel(
+            config=transformer_config,
+            transformer_layer_spec=adapter.layer_spec(hf_config, use_te=use_te),
+            pre_process=pre_process,
+            post_process=post_process,
+            parallel_output=True,
+            **adapter.gpt_model_kwargs(hf_config, padded_vocab_size=vocab),
+        )
+    if options.torch_dtype != torch.float32:
+        model = model.to(options.torch_dtype)
+    if torch.cuda.is_available():
+        model = model.cuda(torch.cuda.current_device())
+    return model

@@ -1,0 +1,243 @@
+"""HF-named weights <-> a sharded actor: full tensors for weight sync, and HF initial weights.
+
+Each rank holds the parameters of its pipeline stage, split across its TP group. To
+produce the HF state dict:
+
+1. Local parameter names are made global (local layer ``i`` of a stage -> its
+   ``layer_number - 1``) and canonical (``canonical_mcore_name``: the names of the
+   adapters' :class:`~megatron_rl.models.WeightUnit` s).
+2. The stages agree once on who owns which unit (an all-gather of names over PP).
+3. Unit by unit, in the adapter's HF order: the owning stage's TP ranks all-gather
+   the shards (``partition_dim``; the SwiGLU ``linear_fc1`` holds ``[gate_r; up_r]`` per
+   rank, so gates and ups are gathered separately), the full tensor is broadcast from
+   the owning stage over the PP group, and the adapter's ``mcore_to_hf`` splits it
+   into HF tensors (fused QKV -> q/k/v, [gate; up] -> gate/up, vocab padding stripped).
+
+:func:`iter_hf_weights` yields the ``(hf_name, tensor)`` pairs one by one (what the
+rollout pool's weight sync consumes); :func:`iter_hf_weight_buckets` yields the lists.
+Every rank of a model-parallel group runs the same collectives and yields the same
+tensors (every rank must consume the iterator to the end, in lockstep); DP replicas
+work independently of each other. Tensors have the model's parameter dtype and device
+and are copies, never views of live parameters.
+
+:func:`load_hf_weights` goes the other way (HF safetensors -> this rank's shards), for
+``model.init: pretrained`` from a HF directory without a conversion step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl.actor.launch import ProcessGroups
+from megatron_rl.models import DecoderAdapter, canonical_mcore_name
+
+__all__ = [
+    "global_parameters",
+    "gather_tp_shards",
+    "concat_tp_shards",
+    "take_tp_shard",
+    "iter_hf_weight_buckets",
+    "iter_hf_weights",
+    "load_hf_weights",
+]
+
+_LAYER_PREFIX = "decoder.layers."
+_GATED_FC1 = ("mlp.linear_fc1.weight", "mlp.linear_fc1.bias")
+
+
+def global_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    """``{canonical global name: parameter}`` of one pipeline stage's ``GPTModel``.
+
+    Layer names carry the global layer index (``layer_number - 1``), so stage 1 of a
+    2-stage 4-layer model reports ``decoder.layers.2.*`` and ``decoder.layers.3.*``.
+    """
+    layers = model.decoder.layers
+    out = {}
+    for name, param in model.named_parameters():
+        if name.startswith(_LAYER_PREFIX):
+            local, _, rest = name[len(_LAYER_PREFIX) :].partition(".")
+            name = f"{_LAYER_PREFIX}{layers[int(local)].layer_number - 1}.{rest}"
+        out[canonical_mcore_name(name)] = param
+    return out
+
+
+def gather_tp_shards(
+    name: str, param: torch.Tensor, *, tp_group: dist.ProcessGroup, tp_size: int, gated_linear_unit: bool
+) -> torch.Tensor:
+    """The full tensor of a (possibly) tensor-parallel parameter; a copy, never a view.
+
+    Collective on ``tp_group`` (all-gather) when the parameter is TP-split
+    (``tensor_model_parallel`` attribute, along ``partition_dim``); replicated
+    parameters are copied locally.
+    """
+    tensor = param.detach()
+    if tp_size == 1 or not getattr(param, "tensor_model_parallel", False):
+        return tensor.clone()
+    shards = [torch.empty_like(tensor) for _ in range(tp_size)]
+    dist.all_gather(shards, tensor.contiguous(), group=tp_group)
+    return concat_tp_shards(name, shards, dim=int(param.partition_dim), gated_linear_unit=gated_linear_unit)
+
+
+def concat_tp_shards(name: str, shards: list[torch.Tensor], *, dim: int, gated_linear_unit: bool) -> torch.Tensor:
+    """Join the TP shards of parameter ``name`` (rank order) into its full tensor.
+
+    Shards concatenate along ``dim``, except the SwiGLU ``linear_fc1``: each rank holds
+    ``[gate_r; up_r]`` and the full tensor is ``[gate_0 .. gate_n; up_0 .. up_n]``.
+    """
+    if gated_linear_unit and name.endswith(_GATED_FC1):
+        halves = [s.chunk(2, dim=0) for s in shards]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+    return torch.cat(shards, dim=dim)
+
+
+def _ownership(local: Mapping[str, torch.Tensor], groups: ProcessGroups) -> dict[str, tuple[int, torch.dtype]]:
+    """``{canonical name: (owning stage, dtype)}``, agreed over the PP group (first stage wins)."""
+    mine = {name: p.dtype for name, p in local.items()}
+    if groups.pp_size == 1:
+        return {name: (0, dtype) for name, dtype in mine.items()}
+    everyone: list[Any] = [None] * groups.pp_size
+    dist.all_gather_object(everyone, mine, group=groups.pp)
+    owners: dict[str, tuple[int, torch.dtype]] = {}
+    for stage, names in enumerate(everyone):
+        for name, dtype in names.items():
+            owners.setdefault(name, (stage, dtype))
+    return owners
+
+
+def iter_hf_weight_buckets(
+    model: torch.nn.Module,
+    *,
+    adapter: DecoderAdapter,
+    hf_config: Mapping[str, Any],
+    padded_vocab_size: int,
+    groups: ProcessGroups,
+    gated_linear_unit: bool = True,
+    bucket_bytes: int = 512 * 2**20,
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Yield buckets ``[(hf_name, full tensor), ...]`` covering the whole HF state dict.
+
+    A bucket closes once it holds at least ``bucket_bytes`` (so one large tensor may
+    exceed it); the last bucket may be smaller. Order: the adapter's unit order
+    (embedding, layers, final norm, lm_head). Collectives: all-gather on
+    ``groups.tp`` and broadcast on ``groups.pp`` per unit; every rank yields the same.
+    """
+    if bucket_bytes < 1:
+        raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
+    local = global_parameters(model)
+    owners = _ownership(local, groups)
+    units = adapter.weight_units(hf_config, padded_vocab_size=padded_vocab_size)
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    device = next(iter(local.values())).device
+    for unit in units:
+        if unit.mcore_name not in owners:
+            raise KeyError(f"no pipeline stage holds '{unit.mcore_name}' (model and HF config disagree?)")
+        stage, dtype = owners[unit.mcore_name]
+        if stage == groups.pp_rank:
+            full = gather_tp_shards(
+                unit.mcore_name,
+                local[unit.mcore_name],
+                tp_group=groups.tp,
+                tp_size=groups.tp_size,
+                gated_linear_unit=gated_linear_unit,
+            )
+        else:
+            full = torch.empty(unit.mcore_shape, dtype=dtype, device=device)
+        if groups.pp_size > 1:
+            dist.broadcast(full, src=groups.pp_global_ranks[stage], group=groups.pp)
+        for name, tensor in adapter.mcore_to_hf(unit, full):
+            if tensor.storage_offset() != 0 or tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
+                # A slice of `full` (gate/up halves, vocab rows without padding): give it
+                # its own storage, so serialising it does not carry the rest along.
+                tensor = tensor.clone(memory_format=torch.contiguous_format)
+            bucket.append((name, tensor))
+            size += tensor.numel() * tensor.element_size()
+        if size >= bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+    if bucket:
+        yield bucket
+
+
+def iter_hf_weights(
+    model: torch.nn.Module, *, bucket_bytes: int = 512 * 2**20, **kwargs
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(hf_name, full tensor)`` pairs of the whole HF state dict, one at a time.
+
+    The flattened :func:`iter_hf_weight_buckets` (same arguments): units are gathered a
+    bucket of at least ``bucket_bytes`` at a time, then handed out one by one, so at most
+    about one bucket of full tensors is held ahead of the consumer. Every yielded tensor
+    is a fresh copy that nothing reuses (safe to hand to ``ray.put`` without copying).
+    """
+    for bucket in iter_hf_weight_buckets(model, bucket_bytes=bucket_bytes, **kwargs):
+        yield from bucket
+
+
+def take_tp_shard(
+    name: str, full: torch.Tensor, param: torch.Tensor, *, tp_rank: int, tp_size: int, gated_linear_unit: bool
+) -> torch.Tensor:
+    """This rank's TP shard of the full tensor ``full`` of ``param`` (inverse of :func:`gather_tp_shards`)."""
+    if tp_size == 1 or not getattr(param, "tensor_model_parallel", False):
+        return full
+    if gated_linear_unit and name.endswith(_GATED_FC1):
+        gate, up = full.chunk(2, dim=0)
+        return torch.cat([gate.chunk(tp_size, dim=0)[tp_rank], up.chunk(tp_size, dim=0)[tp_rank]], dim=0)
+    return full.chunk(tp_size, dim=int(param.partition_dim))[tp_rank]
+
+
+@torch.no_grad()
+def load_hf_weights(
+    model: torch.nn.Module,
+    directory,
+    *,
+    adapter: DecoderAdapter,
+    hf_config: Mapping[str, Any],
+    padded_vocab_size: int,
+    groups: ProcessGroups,
+    gated_linear_unit: bool = True,
+) -> int:
+    """Copy HF safetensors weights from ``directory`` into this stage's shard of ``model``.
+
+    Each rank reads only the HF tensors of the units its stage holds and keeps its own
+    TP slice (no collectives). A tied model with PP > 1 keeps a copy of the embedding
+    as the last stage's ``output_layer.weight``; it is filled from the embedding too.
+    Missing or unexpected HF tensors raise ``ConversionError``. Returns the number of
+    parameters written. Callers refresh optimizer master weights afterwards.
+    """
+    from megatron_rl.models import ConversionError
+    from megatron_rl.models.hf_io import SafetensorsReader
+
+    reader = SafetensorsReader.open(directory)
+    units = adapter.weight_units(hf_config, padded_vocab_size=padded_vocab_size)
+    expected = {name for unit in units for name in unit.hf_names}
+    ignorable = adapter.ignorable_hf_names(hf_config)
+    unexpected = sorted(n for n in reader.entries if n not in expected and not ignorable(n))
+    if unexpected:
+        raise ConversionError(f"unexpected HF tensor '{unexpected[0]}' in {directory} ({len(unexpected)} in all)")
+    local = global_parameters(model)
+    if "output_layer.weight" in local and not any(u.mcore_name == "output_layer.weight" for u in units):
+        # Tied embeddings, last stage of a pipeline: its output layer is the embedding.
+        local.setdefault("embedding.word_embeddings.weight", local.pop("output_layer.weight"))
+    written = 0
+    for unit in units:
+        param = local.pop(unit.mcore_name, None)
+        if param is None:
+            continue
+        missing = [n for n in unit.hf_names if n not in reader.entries]
+        if missing:
+            raise ConversionError(f"HF tensor '{missing[0]}' is missing from {directory}")
+        full = adapter.hf_to_mcore(unit, {n: reader.read(n) for n in unit.hf_names})
+        shard = take_tp_shard(
+            unit.mcore_name, full, param, tp_rank=groups.tp_rank, tp_size=groups.tp_size, gated_linear_unit=gated_linear_unit
+        )
+        if shard.shape != param.shape:
+            raise ConversionError(f"'{unit.mcore_name}': HF gives shard {tuple(shard.shape)}, model has {tuple(param.shape)}")
+        param.copy_(shard)
+        written += 1
+    if local:
+        raise ConversionError(f"no HF weights for model parameter '{sorted(local)[0]}' ({len(local)} in all)")
+    return written

@@ -1,0 +1,106 @@
+"""Single-process pieces of the actor: batch validation and alignment, micro-batch planning,
+TP shard split/join, config plumbing. (The multi-rank behaviour is in test_actor.py.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from megatron_rl.actor.batch import ActorBatch, make_microbatches, plan_microbatches
+from megatron_rl.actor.model import ModelOptions
+from megatron_rl.actor.weights import concat_tp_shards, take_tp_shard
+
+
+def _batch(lengths, L=8, prompt=2) -> ActorBatch:
+    n = len(lengths)
+    ids = torch.arange(n * L).reshape(n, L) % 50
+    attn = (torch.arange(L)[None] < torch.tensor(lengths)[:, None]).long()
+    loss_mask = attn.clone()
+    loss_mask[:, :prompt] = 0
+    values = torch.arange(n * L, dtype=torch.float32).reshape(n, L)
+    return ActorBatch(input_ids=ids, attention_mask=attn, loss_mask=loss_mask, old_logp=-values, advantages=values)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(1, 40), min_size=1, max_size=30), st.integers(1, 120))
+def test_plan_respects_the_padded_budget(lengths, budget):
+    plan = plan_microbatches(lengths, budget)
+    assert sorted(i for mb in plan for i in mb) == list(range(len(lengths)))
+    for mb in plan:
+        cost = len(mb) * max(lengths[i] for i in mb)
+        assert cost <= budget or len(mb) == 1  # an over-long sequence gets a micro-batch of its own
+    assert plan == plan_microbatches(lengths, budget)  # deterministic
+
+
+def test_microbatches_are_target_aligned():
+    batch = _batch([8, 5, 3])
+    mbs = make_microbatches(batch, max_tokens=12)
+    assert [mb.rows.tolist() for mb in mbs] == [[0], [1, 2]]
+    mb = mbs[1]
+    assert mb.input_ids.shape == (2, 5)  # trimmed to its longest row
+    # Column t of the micro-batch is the prediction of input token t + 1.
+    assert torch.equal(mb.targets[:, :-1], batch.input_ids[1:, 1:5])
+    assert torch.equal(mb.advantages[:, :-1], batch.advantages[1:, 1:5])
+    assert torch.equal(mb.old_logp[:, :-1], batch.old_logp[1:, 1:5])
+    assert mb.loss_mask[:, -1].sum() == 0 and mb.target_mask[:, -1].sum() == 0
+    # Row 2 has 3 tokens: predictions exist for targets 1 and 2 only.
+    assert mb.target_mask[1].tolist() == [True, True, False, False, False]
+    assert mb.loss_mask[1].tolist() == [0, 1, 0, 0, 0]  # input token 2 is the only response token
+
+
+def test_batch_validation():
+    ids = torch.zeros(2, 4, dtype=torch.long)
+    with pytest.raises(ValueError, match="right-padded"):
+        ActorBatch(input_ids=ids, attention_mask=torch.tensor([[1, 1, 1, 1], [0, 1, 1, 1]]))
+    with pytest.raises(ValueError, match=r"loss_mask\[:, 0\]"):
+        ActorBatch(input_ids=ids, attention_mask=torch.ones(2, 4), loss_mask=torch.ones(2, 4))
+    with pytest.raises(ValueError, match="padding"):
+        ActorBatch(input_ids=ids, attention_mask=torch.tensor([[1, 1, 0, 0]] * 2), loss_mask=torch.tensor([[0, 1, 1, 0]] * 2))
+    with pytest.raises(ValueError, match="position_ids"):
+        ActorBatch(input_ids=ids, attention_mask=torch.ones(2, 4), position_ids=torch.zeros(2, 4))
+    with pytest.raises(ValueError, match="shape"):
+        ActorBatch(input_ids=ids, attention_mask=torch.ones(2, 3))
+    with pytest.raises(ValueError, match="loss_mask"):
+        ActorBatch(input_ids=ids, attention_mask=torch.ones(2, 4)).require_training_fields(need_ref=False)
+
+
+@pytest.mark.parametrize(
+    "name,dim",
+    [
+        ("decoder.layers.0.mlp.linear_fc1.weight", 0),
+        ("decoder.layers.0.self_attention.linear_proj.weight", 1),
+        ("output_layer.weight", 0),
+    ],
+)
+def test_tp_split_and_join_are_inverse(name, dim):
+    full = torch.randn(8, 6)
+    param = torch.nn.Parameter(torch.empty(1))
+    param.tensor_model_parallel, param.partition_dim = True, dim
+    shards = [take_tp_shard(name, full, param, tp_rank=r, tp_size=2, gated_linear_unit=True) for r in range(2)]
+    assert torch.equal(concat_tp_shards(name, shards, dim=dim, gated_linear_unit=True), full)
+    if "linear_fc1" in name:  # each rank holds [gate_r; up_r]
+        gate, up = full.chunk(2)
+        assert torch.equal(shards[1], torch.cat([gate[2:], up[2:]]))
+
+
+def test_actor_config_from_run_config():
+    from megatron_rl.actor.actor import ActorConfig
+    from megatron_rl.algo import AlgorithmConfig, LoptiConfig
+    from megatron_rl.config import ParallelConfig, RunConfig, TrainerConfig
+
+    run = RunConfig(
+        parallel=ParallelConfig(num_actor_ranks=4, tensor_model_parallel_size=2),
+        trainer=TrainerConfig(num_steps=10, num_minibatches_per_step=2, lr=3e-6, lr_schedule="cosine"),
+        algorithm=AlgorithmConfig(lopti=LoptiConfig(enabled=True)),
+    )
+    cfg = ActorConfig.from_run_config(run)
+    assert cfg.tensor_model_parallel_size == 2 and cfg.pipeline_model_parallel_size == 1
+    assert cfg.lr == 3e-6 and cfg.lr_schedule == "cosine"
+    assert cfg.lr_decay_steps == 10 * 2 * 2  # Lopti doubles the optimizer steps
+    assert cfg.hf_config["model_type"] == run.model.tiny.model_type
+    with pytest.raises(ValueError, match="lr_decay_steps"):
+        ActorConfig(hf_config={}, lr_schedule="linear")
+    with pytest.raises(ValueError, match="fp8"):
+        ModelOptions(fp8="e4m3", use_te=False)
