@@ -1,0 +1,164 @@
+"""The Ray rollout pool: ordering, seeds, weight sync, restarts and errors (2 HF engines, CPU).
+
+One Ray instance and one 2-engine pool serve the whole module (starting them costs ~10 s).
+The pool's engines are :class:`FaultOnceEngine` -- a real ``HFEngine`` that crashes or
+hangs once when a file is armed -- so the failure tests need no second pool.
+"""
+
+import time
+
+import pytest
+import torch
+
+ray = pytest.importorskip("ray")
+
+from megatron_rl.rollout import EngineSpec, PoolOptions, RolloutEngineError, RolloutPool, SamplingParams  # noqa: E402
+from megatron_rl.rollout.hf_engine import HFEngine  # noqa: E402
+from tests.helpers.rollout_models import build_qwen2, hf_state, reference_logprobs, save_qwen2  # noqa: E402
+
+PROMPTS = [[1, 2, 3], [5] * 9, [7, 8], list(range(20, 37)), [3], [9, 9, 1, 4]]
+PARAMS = SamplingParams(n=3, temperature=0.7, max_new_tokens=10, seed=17)
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    root = tmp_path_factory.mktemp("rollout_pool")
+    return save_qwen2(root / "a", seed=0), save_qwen2(root / "b", seed=7), root / "arm"
+
+
+@pytest.fixture(scope="module")
+def pool(ray_cluster, ckpts):
+    spec = EngineSpec(
+        kind="tests.helpers.rollout_engines:FaultOnceEngine",
+        model_path=str(ckpts[0]),
+        engine_args={"arm_file": str(ckpts[2])},
+    )
+    # A request takes well under a second here; the 5 s time-out only matters for the hang test.
+    options = PoolOptions(num_cpus_per_engine=1, restart_timeout_s=120, request_timeout_s=5)
+    pool = RolloutPool(spec, num_engines=2, options=options)
+    yield pool
+    pool.shutdown()
+
+
+def _ids(results):
+    return [[c.token_ids for c in group] for group in results]
+
+
+def test_results_in_prompt_order_grouped_and_tagged(pool):
+    results = pool.generate(PROMPTS, PARAMS)
+    assert [len(group) for group in results] == [PARAMS.n] * len(PROMPTS)
+    # Log-probs recomputed from each group's own prompt match: groups are in prompt order.
+    model = build_qwen2(0)
+    for prompt, group in zip(PROMPTS, results):
+        for c in group:
+            ref = reference_logprobs(model, prompt, c.token_ids, PARAMS.temperature)
+            assert (ref - torch.tensor(c.logprobs)).abs().max().item() <= 1e-4
+            assert c.weight_version == 0
+    # Two requests, one per engine, both engines used; a prompt's samples share an engine.
+    assert pool.last_stats["rollout/num_requests"] == 2
+    assert {c.engine for g in results for c in g} == set(pool.engine_names)
+    assert all(len({c.engine for c in g}) == 1 for g in results)
+
+
+def test_results_do_not_depend_on_the_request_split(pool, ckpts):
+    results = pool.generate(PROMPTS, PARAMS)
+    assert _ids(pool.generate(PROMPTS, PARAMS)) == _ids(results)  # same seed, same samples
+    # One local engine serving everything in one batch draws the same samples.
+    local = HFEngine(ckpts[0]).generate(PROMPTS, PARAMS)
+    assert _ids(local) == _ids(results)
+    other_seed = SamplingParams(n=3, temperature=0.7, max_new_tokens=10, seed=18)
+    assert _ids(pool.generate(PROMPTS, other_seed)) != _ids(results)
+
+
+def test_least_outstanding_work_dispatch(pool):
+    # Six one-prompt requests; each engine holds at most 2 at a time, and the long prompt
+    # (index 3) counts as more work, so dispatch alternates rather than filling one engine.
+    pool.options.max_prompts_per_request = 1
+    try:
+        results = pool.generate(PROMPTS, PARAMS)
+    finally:
+        pool.options.max_prompts_per_request = None
+    assert pool.last_stats["rollout/num_requests"] == len(PROMPTS)
+    engines = [g[0].engine for g in results]
+    assert engines[:2] == ["rollout-0", "rollout-1"]  # the first two go to the two idle engines
+    assert set(engines) == set(pool.engine_names)
+
+
+def test_weight_sync_equals_a_fresh_engine(pool, ckpts):
+    state = hf_state(ckpts[1])
+    stats = pool.update_weights(state.items(), version=1, bucket_mb=0.05)  # 50 KiB: many buckets
+    assert stats["weight_sync/bytes"] == sum(t.numel() * t.element_size() for t in state.values())
+    assert stats["weight_sync/num_tensors"] == len(state)
+    assert stats["weight_sync/num_buckets"] > 3
+    assert stats["weight_sync/num_engines"] == 2 and stats["weight_sync/version"] == 1
+    assert pool.weight_version == 1
+    assert all(h["weight_version"] == 1 for h in pool.health())
+    results = pool.generate(PROMPTS, PARAMS)
+    fresh = HFEngine(ckpts[1]).generate(PROMPTS, PARAMS)
+    assert _ids(results) == _ids(fresh)
+    assert all(c.weight_version == 1 for g in results for c in g)
+
+
+@pytest.mark.parametrize("fault", ["exit", "hang"])
+def test_failed_request_is_retried_on_the_restarted_engine_with_current_weights(pool, ckpts, fault):
+    assert pool.weight_version == 1  # after the sync test: the restart must restore version 1
+    expected = HFEngine(ckpts[1]).generate(PROMPTS, PARAMS)
+    ckpts[2].write_text(fault)  # arm: the first engine to get a request exits / hangs
+    results = pool.generate(PROMPTS, PARAMS)
+    assert not ckpts[2].exists()
+    assert pool.last_stats["rollout/num_retries"] == 1
+    assert _ids(results) == _ids(expected)
+    assert all(c.weight_version == 1 for g in results for c in g)
+    assert all(h["ok"] and h["weight_version"] == 1 for h in pool.health())
+
+
+def test_engine_restarted_between_calls_gets_current_weights(pool, ckpts):
+    before = {h["engine"]: h["pid"] for h in pool.health()}
+    ray.kill(pool.actors[1], no_restart=False)
+    # Wait until Ray has restarted it: it now holds the initial checkpoint (version 0).
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        health = pool.health()[1]
+        if health["ok"] and health["pid"] != before["rollout-1"]:
+            break
+        time.sleep(0.2)
+    assert health["weight_version"] == 0
+    results = pool.generate(PROMPTS, PARAMS)
+    # Its stale completions were detected by their version tag, weights restored, request redone.
+    assert pool.last_stats["rollout/num_retries"] == 1
+    assert _ids(results) == _ids(HFEngine(ckpts[1]).generate(PROMPTS, PARAMS))
+    assert all(c.weight_version == 1 for g in results for c in g)
+    after = {h["engine"]: h["pid"] for h in pool.health()}
+    assert after["rollout-0"] == before["rollout-0"]
+
+
+def test_sleep_and_wake(pool):
+    pool.sleep()
+    assert all(h["sleeping"] for h in pool.health())
+    with pytest.raises(RolloutEngineError, match=r"rollout-\d raised on request \d/2"):
+        pool.generate(PROMPTS, PARAMS)
+    pool.wake()
+    assert len(pool.generate(PROMPTS, PARAMS)) == len(PROMPTS)
+
+
+def test_request_failing_twice_names_engine_and_request(ray_cluster, ckpts):
+    spec = EngineSpec(kind="tests.helpers.rollout_engines:AlwaysCrashEngine", model_path=str(ckpts[0]))
+    broken = RolloutPool(spec, num_engines=1, options=PoolOptions(max_restarts=1, name_prefix="broken"))
+    try:
+        with pytest.raises(RolloutEngineError, match=r"broken-0 failed request 0/1 \(prompts 0\.\.1 of 2\) again"):
+            broken.generate(PROMPTS[:2], PARAMS)
+    finally:
+        broken.shutdown()
+
+
+def test_bad_model_path_fails_at_start_naming_the_engine(ray_cluster, tmp_path):
+    with pytest.raises(RolloutEngineError, match="rollout-0 failed to start"):
+        spec = EngineSpec(model_path=str(tmp_path / "missing"))
+        RolloutPool(spec, num_engines=1, options=PoolOptions(max_restarts=0))

@@ -1,0 +1,46 @@
+"""Fault-injecting engines for the pool tests, named by import path in ``EngineSpec.kind``.
+
+They subclass the real :class:`HFEngine` (no mocking): the only difference is a process
+exit at a chosen moment, which is what a crashed engine looks like to Ray.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from megatron_rl.rollout.hf_engine import HFEngine
+
+
+class FaultOnceEngine(HFEngine):
+    """Fails once, on the first ``generate`` after ``arm_file`` appears: a crash or a hang.
+
+    The file's content picks the fault: ``exit`` ends the process (``os._exit``), ``hang``
+    blocks forever (a stuck kernel, as far as the pool can tell). Every engine of a pool
+    shares the file, so exactly one engine fails per arming: the one that renames it first
+    (``os.rename`` is atomic). Ray then restarts the actor, whose constructor finds no
+    ``arm_file`` and serves normally.
+    """
+
+    def __init__(self, model_path: str, *, name: str = "fault-once", arm_file: str, **engine_args: Any):
+        super().__init__(model_path, name=name, **engine_args)
+        self.arm_file = Path(arm_file)
+
+    def generate(self, prompts, params, *, prompt_seeds=None):
+        fired = Path(f"{self.arm_file}.fired-by-{self.name}")
+        try:
+            os.rename(self.arm_file, fired)
+        except FileNotFoundError:
+            return super().generate(prompts, params, prompt_seeds=prompt_seeds)
+        if fired.read_text().strip() == "hang":
+            time.sleep(3600)
+        os._exit(1)
+
+
+class AlwaysCrashEngine(HFEngine):
+    """Exits its process on every ``generate``: a request to it fails even after a restart."""
+
+    def generate(self, prompts, params, *, prompt_seeds=None):
+        os._exit(1)

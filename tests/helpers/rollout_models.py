@@ -1,0 +1,86 @@
+"""Tiny random Qwen2 checkpoints and a reference log-prob recomputation for the rollout tests.
+
+Nothing is downloaded: models are built from a ``Qwen2Config`` and saved with
+``save_pretrained``. ``BENCH_CONFIG`` is the ~0.8M-parameter model of
+``benchmarks/rollout_pool.py``; ``TEST_CONFIG`` is smaller for fast tests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+VOCAB = 128
+
+TEST_CONFIG = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=VOCAB,
+    max_position_embeddings=256,
+    tie_word_embeddings=True,
+    rms_norm_eps=1e-6,
+)
+
+# ~0.80M parameters (hidden 128, 3 layers, FFN 512, vocab 512, tied embeddings).
+BENCH_CONFIG = dict(
+    hidden_size=128,
+    intermediate_size=512,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=512,
+    max_position_embeddings=512,
+    tie_word_embeddings=True,
+    rms_norm_eps=1e-6,
+)
+
+
+def build_qwen2(seed: int, *, scale: float = 0.3, **overrides):
+    """A float32 ``Qwen2ForCausalLM`` with random weights (``scale`` sets the logit spread).
+
+    HF's default init (std 0.02) makes near-uniform next-token distributions; a larger
+    scale gives peaked ones, so sampling tests see both likely and unlikely tokens.
+    """
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen2Config(**{**TEST_CONFIG, **overrides})
+    model = Qwen2ForCausalLM(config)
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            noise = torch.randn(param.shape, generator=gen)
+            param.copy_(1.0 + 0.1 * noise if "norm" in name else scale * noise)
+    return model.eval()
+
+
+def save_qwen2(directory: Path, seed: int, **overrides) -> Path:
+    """Save a random tiny Qwen2 (config + safetensors) into ``directory``."""
+    build_qwen2(seed, **overrides).save_pretrained(directory)
+    return Path(directory)
+
+
+def hf_state(directory: Path) -> dict[str, torch.Tensor]:
+    """The HF-named tensors of the checkpoint in ``directory`` (as an actor would yield them)."""
+    from safetensors.torch import load_file
+
+    return dict(load_file(str(Path(directory) / "model.safetensors")))
+
+
+@torch.no_grad()
+def reference_logprobs(model, prompt: Sequence[int], completion: Sequence[int], temperature: float) -> torch.Tensor:
+    """``log_softmax(logits / T)`` of each completion token from one unpadded full forward.
+
+    This is what the trainer computes as ``old_logp``: ``[len(completion)]`` float32.
+    """
+    ids = torch.tensor([list(prompt) + list(completion)])
+    logits = model(input_ids=ids).logits[0].float()
+    start = len(prompt) - 1
+    step_logits = logits[start : start + len(completion)]
+    logp = torch.log_softmax(step_logits / (temperature if temperature > 0 else 1.0), dim=-1)
+    return logp.gather(-1, torch.tensor(list(completion))[:, None]).squeeze(-1)
