@@ -94,7 +94,14 @@ def _show_warning(message, category, filename, lineno, file=None, line=None) -> 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``megatron-rl`` with ``argv`` (default ``sys.argv[1:]``); returns the exit code."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    # parse_known_args: argparse cannot take positionals after an option (``train CFG
+    # --dry-run a.b=c``), so overrides given after an option arrive as extras.
+    args, extras = parser.parse_known_args(argv)
+    if extras:
+        if hasattr(args, "overrides") and all("=" in x and not x.startswith("-") for x in extras):
+            args.overrides = list(args.overrides) + extras
+        else:
+            parser.error(f"unrecognized arguments: {' '.join(extras)}")
     if getattr(args, "run", None) is None:
         parser.print_help(sys.stderr)
         return EXIT_USAGE
@@ -189,17 +196,37 @@ def _run_train(args: argparse.Namespace) -> int:
     check_registries(config)
     _check_data_files(config)
     if not args.dry_run:
-        # The RL loop is not in this release; validating and refusing beats pretending.
-        print(
-            "error: training is not available yet: the trainer (megatron_rl/trainer.py) lands in a later "
-            "release. The config is valid; run with --dry-run to print and save the resolved config.",
-            file=sys.stderr,
-        )
-        return EXIT_FAILURE
+        return _train(config)
     _print_yaml(dump_yaml(config))
     saved = save_resolved(config, config.run_dir)
     print(_placement_summary(config), file=sys.stderr)
     print(f"dry run: config is valid; resolved config saved to {saved}", file=sys.stderr)
+    return EXIT_OK
+
+
+def _train(config) -> int:
+    # Imported here: the trainer pulls in Ray, megatron-core and transformers.
+    from megatron_rl.data.loaders import DataError
+    from megatron_rl.rewards import RewardLoadError
+    from megatron_rl.trainer import NonFiniteStepsError, Trainer
+
+    try:
+        trainer = Trainer(config)
+    except (DataError, RewardLoadError, FileNotFoundError, FileExistsError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        trainer.run()
+    except NonFiniteStepsError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_FAILURE
+    finally:
+        trainer.close()
+    print(
+        f"done: metrics in {config.run_dir / 'metrics.jsonl'}, checkpoints in {config.run_dir / 'checkpoints'}; "
+        f"plot with: python tools/plot_run.py {config.run_dir}",
+        file=sys.stderr,
+    )
     return EXIT_OK
 
 

@@ -247,6 +247,7 @@ class MegatronActor:
         self.optimizer_steps = 0
         """Successful optimizer updates so far."""
         self.skipped_steps = 0
+        self.last_token_grad_norms: torch.Tensor | None = None
         """Updates skipped for a non-finite loss or gradient norm."""
 
     # ------------------------------------------------------------------ helpers
@@ -320,17 +321,28 @@ class MegatronActor:
         rows = self._local_rows(n)
         microbatches = make_microbatches(batch.select(rows), self.config.max_tokens_per_microbatch, device=_device())
         results = self._forward_logprobs(microbatches, temperature)
-        local = torch.zeros(2, len(rows), length, dtype=torch.float32, device=_device())
-        for mb, (logp, entropy) in zip(microbatches, results):
+        full = self._gather_token_values(n, length, len(rows), microbatches, [[lp, h] for lp, h in results])
+        return LogProbs(logp=full[0].cpu(), entropy=full[1].cpu())
+
+    def _gather_token_values(
+        self, n: int, length: int, num_local: int, microbatches: list[MicroBatch], values: list[list[torch.Tensor]]
+    ) -> torch.Tensor:
+        """Assemble per-micro-batch, target-aligned ``[b, s]`` values (last stage) into
+        input-aligned ``[K, n, length]`` float32 on EVERY rank: shifted by one column, DP
+        shards all-gathered over DP on the last stage, broadcast from it over PP."""
+        k = len(values[0]) if values else 0
+        k = int(self._broadcast_int(k))
+        local = torch.zeros(k, num_local, length, dtype=torch.float32, device=_device())
+        for mb, vals in zip(microbatches, values):
             s = mb.input_ids.shape[1]
-            # Target-aligned column t predicts input column t + 1.
-            local[0, mb.rows, 1:s] = logp[:, : s - 1].float()
-            local[1, mb.rows, 1:s] = entropy[:, : s - 1].float()
-        full = torch.zeros(2, n, length, dtype=torch.float32, device=_device())
+            for j, v in enumerate(vals):
+                # Target-aligned column t predicts input column t + 1.
+                local[j, mb.rows, 1:s] = v.reshape(-1, s)[:, : s - 1].float()
+        full = torch.zeros(k, n, length, dtype=torch.float32, device=_device())
         if self.groups.is_last_stage:
             per_rank = -(-n // self.groups.dp_size)
-            padded = torch.zeros(2, per_rank, length, dtype=torch.float32, device=_device())
-            padded[:, : len(rows)] = local
+            padded = torch.zeros(k, per_rank, length, dtype=torch.float32, device=_device())
+            padded[:, :num_local] = local
             gathered = [torch.empty_like(padded) for _ in range(self.groups.dp_size)]
             dist.all_gather(gathered, padded, group=self.groups.dp)
             for d, part in enumerate(gathered):
@@ -338,7 +350,15 @@ class MegatronActor:
                 full[:, d :: self.groups.dp_size] = part[:, :count]
         if self.groups.pp_size > 1:
             dist.broadcast(full, src=self.groups.last_stage_global_rank, group=self.groups.pp)
-        return LogProbs(logp=full[0].cpu(), entropy=full[1].cpu())
+        return full
+
+    def _broadcast_int(self, value: int) -> int:
+        """``value`` from the last pipeline stage, on every rank of the PP group."""
+        if self.groups.pp_size == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.int64, device=_device())
+        dist.broadcast(t, src=self.groups.last_stage_global_rank, group=self.groups.pp)
+        return int(t)
 
     # ------------------------------------------------------------------ training
 
@@ -387,8 +407,13 @@ class MegatronActor:
         *,
         temperature: float = 1.0,
         lopti_phase: Literal["low", "high"] | None = None,
+        token_grad_norms: bool = False,
     ) -> dict[str, float]:
         """One optimizer step on the mini-batch ``batch``; returns metrics (same on every rank).
+
+        With ``token_grad_norms``, :attr:`last_token_grad_norms` afterwards holds ``[N, L]``
+        (input-aligned, every rank) the norm of each token's loss-SUM gradient w.r.t. its
+        logits row, for the token-probability diagnostics (fused op's ``token_grad_norms``).
 
         Applies Advantage Reweighting to ``batch.advantages`` (from ``old_logp``), runs a
         STAPO entropy pre-pass when STAPO is on, then megatron's forward-backward schedule
@@ -414,7 +439,8 @@ class MegatronActor:
             threshold = self._stapo_threshold(microbatches, algorithm, temperature, lopti_phase)
             for mb in microbatches:
                 mb.stapo_threshold = threshold
-        options = self._vocab_options(temperature)
+        options = replace(self._vocab_options(temperature), token_grad_norms=token_grad_norms)
+        norms: list[list[torch.Tensor]] = []
 
         def loss_func(mb: MicroBatch, logits: torch.Tensor):
             inputs = LossInputs(
@@ -426,7 +452,9 @@ class MegatronActor:
                 lopti_phase=lopti_phase,
                 stapo_threshold=mb.stapo_threshold,
             )
-            out, _ = fused_policy_loss(logits, inputs, algorithm, options)
+            out, stats = fused_policy_loss(logits, inputs, algorithm, options)
+            if token_grad_norms:
+                norms.append([stats.logit_grad_norm.reshape(mb.targets.shape)])
             # clone: megatron may scale the returned loss in place.
             report = {"loss": torch.stack([out.loss_sum.detach().clone().double(), out.count.double()]), **out.metrics}
             return out.loss_sum, out.count.round().to(torch.int), report
@@ -460,6 +488,11 @@ class MegatronActor:
             "timing_s/train_optimizer": time.perf_counter() - opt_start,
         }
         metrics.update(finalize_metrics(merged))
+        if token_grad_norms:
+            n, length = batch.input_ids.shape
+            self.last_token_grad_norms = self._gather_token_values(
+                n, length, local.num_sequences, microbatches, norms
+            )[0].cpu()
         return metrics
 
     def _optimizer_step(self, *, loss_finite: bool) -> tuple[float, bool]:
@@ -491,9 +524,13 @@ class MegatronActor:
 
     # ------------------------------------------------------------------ checkpoints & weights
 
-    def save_checkpoint(self, directory: str | Path) -> Path:
+    def save_checkpoint(self, directory: str | Path, *, trainer_state: dict | None = None) -> Path:
         """Atomically write model, optimizer, RNG and counters to ``directory`` (see
-        ``actor.checkpoint``); ``directory/../latest`` then names it. Collective."""
+        ``actor.checkpoint``); ``directory/../latest`` then names it. Collective.
+
+        ``trainer_state`` (JSON-serialisable: the driver's step, data cursor, ...) is stored
+        in the same atomic write, so a checkpoint never exists without it; ``load_checkpoint``
+        returns it under ``"trainer"``."""
         # A DP rank may hold no optimizer shard (tiny models): agree on the step count.
         step = ckpt.adam_step(self.optimizer)
         step_t = torch.tensor([-1.0 if step is None else step], dtype=torch.float64, device=_device())
@@ -505,6 +542,8 @@ class MegatronActor:
             "adam_step": None if float(step_t) < 0 else float(step_t),
             "scheduler": self.scheduler.state_dict(),
         }
+        if trainer_state is not None:
+            state["trainer"] = trainer_state
         return ckpt.save_checkpoint(
             directory,
             model=self.model,

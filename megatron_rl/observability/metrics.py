@@ -44,6 +44,9 @@ class MetricsSink:
         self._file = open(self.path, "a", encoding="utf-8")
         self._wandb = None
         if wandb_mode != "disabled":
+            # wandb prints a banner and a run summary by default; the progress line and
+            # metrics.jsonl already say it all.
+            os.environ.setdefault("WANDB_SILENT", "true")
             import wandb  # imported lazily: slow, and not needed with the sink disabled
 
             self._wandb = wandb.init(

@@ -16,6 +16,15 @@ def _series(records, key):
     return [p[0] for p in pts], [p[1] for p in pts]
 
 
+def _smooth(values, window):
+    """Trailing moving average (per-step shares are noisy once many groups have zero advantage)."""
+    out, acc = [], 0.0
+    for i, v in enumerate(values):
+        acc += v - (values[i - window] if i >= window else 0.0)
+        out.append(acc / min(i + 1, window))
+    return out
+
+
 def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Path]:
     """Write ``reward.png``, ``accuracy.png`` and ``grad_share.png`` (those with data).
 
@@ -71,12 +80,13 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Pat
     if any(_series(records, k)[0] for k in share_keys):
         fig, ax = plt.subplots(figsize=(6, 3.5))
         labels = ["p<.25", ".25-.5", ".5-.75", ">=.75"]
+        window = max(1, len(records) // 50)
         for key, label in zip(share_keys, labels):
             s, v = _series(records, key)
             if s:
-                ax.plot(s, v, label=label)
+                ax.plot(s, _smooth(v, window), label=label)
         ax.set_xlabel("step")
-        ax.set_ylabel("share of logit-gradient norm")
+        ax.set_ylabel(f"share of logit-gradient norm\n(moving average of {window})" if window > 1 else "share of logit-gradient norm")
         ax.set_ylim(0, 1)
         ax.set_title("gradient share by p_old bucket")
         ax.legend(fontsize=8)

@@ -95,11 +95,11 @@ def test_malformed_override_exits_2(tmp_path, capsys):
     assert "malformed override" in capsys.readouterr().err
 
 
-def test_train_without_dry_run_refuses_clearly(tmp_path, capsys):
-    assert cli.main(["train", EXAMPLE, f"trainer.output_dir={tmp_path}"]) == 1
-    err = capsys.readouterr().err
-    assert "--dry-run" in err and "later release" in err
-    assert not (tmp_path / "tiny_cpu").exists()
+def test_train_with_a_missing_data_file_exits_2_naming_it(tmp_path, capsys):
+    code = cli.main(["train", EXAMPLE, f"trainer.output_dir={tmp_path}", "data.train_files=[nope.jsonl]"])
+    assert code == 2
+    assert "nope.jsonl" in capsys.readouterr().err
+    assert not list(tmp_path.rglob("checkpoints"))
 
 
 def test_train_without_dry_run_still_validates(tmp_path, capsys):
@@ -182,3 +182,10 @@ def test_unknown_reward_is_named(tmp_path, capsys):
 def test_generate_data_subcommand_writes_toy_data(tmp_path):
     assert cli.main(["generate-data", "toy", "--out", str(tmp_path / "toy")]) == 0
     assert any((tmp_path / "toy").glob("*.jsonl"))
+
+
+def test_overrides_may_follow_the_dry_run_flag(tmp_path, capsys):
+    assert cli.main(["train", EXAMPLE, "--dry-run", f"trainer.output_dir={tmp_path}", "algorithm.ar.alpha=0.3"]) == 0
+    assert "alpha: 0.3" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        cli.main(["train", EXAMPLE, "--dry-run", "--bogus"])

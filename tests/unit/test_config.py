@@ -235,16 +235,17 @@ def test_tiny_to_hf_config_dict():
 
 
 def test_minibatches_must_divide_samples_per_step(tmp_path):
-    # 8 prompts x 4 samples = 32 responses; 3 mini-batches cannot split them evenly.
+    # 8 prompts x 8 samples = 64 responses; 3 mini-batches cannot split them evenly.
     err = _load_error(tmp_path, "trainer.num_minibatches_per_step=3")
     assert err.path == "trainer.num_minibatches_per_step"
-    assert "got 3" in str(err) and "= 32" in str(err)
+    assert "got 3" in str(err) and "= 64" in str(err)
     assert _load(tmp_path, "trainer.num_minibatches_per_step=8").trainer.num_minibatches_per_step == 8
 
 
 def test_microbatch_must_hold_one_sequence(tmp_path):
-    err = _load_error(tmp_path, "trainer.max_tokens_per_microbatch=100")
-    assert err.path == "trainer.max_tokens_per_microbatch" and "= 192" in str(err)
+    # the example's longest sequence: 16 prompt + 4 response tokens
+    err = _load_error(tmp_path, "trainer.max_tokens_per_microbatch=19")
+    assert err.path == "trainer.max_tokens_per_microbatch" and "= 20" in str(err)
 
 
 def test_tiny_model_must_split_over_tp_and_pp(tmp_path):
@@ -258,7 +259,7 @@ def test_tiny_model_must_split_over_tp_and_pp(tmp_path):
 
 def test_sequence_must_fit_the_tiny_model(tmp_path):
     err = _load_error(tmp_path, "rollout.max_new_tokens=1000", "trainer.max_tokens_per_microbatch=4096")
-    assert err.path == "rollout.max_new_tokens" and "max_position_embeddings (512)" in str(err)
+    assert err.path == "rollout.max_new_tokens" and "max_position_embeddings (64)" in str(err)
 
 
 def test_hf_model_skips_architecture_checks(tmp_path):

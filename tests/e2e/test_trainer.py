@@ -1,0 +1,170 @@
+"""The trainer end to end on the tiny CPU demo: every method's config, NaN steps, bad
+inputs, and checkpoint/resume (kill -9 included) reproducing an uninterrupted run."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from megatron_rl.config import load_run_config
+from megatron_rl.data.loaders import DataError
+from megatron_rl.observability import read_metrics
+from megatron_rl.trainer import NonFiniteStepsError, Trainer
+from tests.e2e.conftest import EXAMPLE, ROOT, tiny_config, tiny_overrides
+
+METHOD_KEYS = {
+    "grpo": ["loss/ref_kl"],
+    "ar": ["loss/ar/weight_mean"],
+    "lopti": ["loss/lopti/low_frac"],
+    "ar_lopti": ["loss/ar/weight_mean", "loss/lopti/low_frac"],
+    "stapo": ["loss/stapo/masked_frac"],
+    "tr_grpo": ["loss/tr_grpo/weight_mean"],
+}
+
+
+def run(cfg, trainer_cls=Trainer):
+    trainer = trainer_cls(cfg)
+    try:
+        return trainer.run(), trainer
+    finally:
+        trainer.close()
+
+
+@pytest.mark.parametrize("method", list(METHOD_KEYS))
+def test_each_paper_method_config_runs_two_steps(method, tmp_path, ray_session):
+    """The ``algorithm`` section of examples/kk_logic/<method>_3b.yaml on the tiny model."""
+    with open(ROOT / "examples" / "kk_logic" / f"{method}_3b.yaml") as f:
+        algorithm = yaml.safe_load(f)["algorithm"]
+    cfg = tiny_config(tmp_path, "trainer.num_steps=2", "trainer.eval_every_steps=0", "trainer.save_every_steps=0")
+    from megatron_rl.algo.config import AlgorithmConfig
+    from megatron_rl.configlib import from_dict
+
+    cfg.algorithm = from_dict(AlgorithmConfig, algorithm, "algorithm")
+    last, _ = run(cfg)
+    passes = 2 if cfg.algorithm.lopti.enabled else 1
+    assert last["actor/updates"] == passes * cfg.trainer.num_minibatches_per_step
+    for key in METHOD_KEYS[method]:
+        assert key in last, (key, sorted(last))
+    assert torch.isfinite(torch.tensor(last["loss/total"]))
+    records = read_metrics(cfg.run_dir)
+    assert [r["step"] for r in records] == [1, 2]
+    assert (cfg.run_dir / "checkpoints" / "step_000002").is_dir()
+
+
+class NaNAt(Trainer):
+    """Injects NaN advantages at the given steps (through the trainer's own hook)."""
+
+    nan_steps: tuple[int, ...] = ()
+
+    def compute_advantages(self, rewards, exp):
+        adv = super().compute_advantages(rewards, exp)
+        return adv * float("nan") if self.step in self.nan_steps else adv
+
+
+def test_nan_step_is_skipped_and_counted(tmp_path, ray_session):
+    cfg = tiny_config(tmp_path, "trainer.num_steps=3", "trainer.eval_every_steps=0", "trainer.save_every_steps=0")
+    NaNAt.nan_steps = (2,)
+    run(cfg, NaNAt)
+    rec = {r["step"]: r for r in read_metrics(cfg.run_dir)}
+    assert rec[1]["actor/step_skipped"] == 0 and rec[3]["actor/step_skipped"] == 0
+    assert rec[2]["actor/step_skipped"] == 1 and rec[2]["actor/skipped_steps_total"] == 1
+    assert rec[3]["actor/optimizer_steps_total"] == 2  # steps 1 and 3 updated
+
+
+def test_consecutive_nonfinite_steps_stop_with_last_good_checkpoint(tmp_path, ray_session):
+    cfg = tiny_config(
+        tmp_path, "trainer.num_steps=5", "trainer.eval_every_steps=0", "trainer.save_every_steps=1",
+        "trainer.max_consecutive_nonfinite_steps=2",
+    )  # fmt: skip
+    NaNAt.nan_steps = (2, 3)
+    with pytest.raises(NonFiniteStepsError, match="2 consecutive steps"):
+        run(cfg, NaNAt)
+    ckpts = cfg.run_dir / "checkpoints"
+    assert (ckpts / "latest").read_text().strip() == "step_000001"
+    assert sorted(p.name for p in ckpts.iterdir() if p.is_dir()) == ["step_000001"]
+
+
+def test_bad_data_row_is_named_and_nothing_is_written(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "copy 1 2 3 =", "ground_truth": "1 2 3"}\n{"prompt": "copy 4 5 6 ="}\n')
+    cfg = tiny_config(tmp_path / "out", f"data.train_files=[{bad}]")
+    with pytest.raises(DataError) as err:
+        Trainer(cfg)
+    assert str(bad) in str(err.value) and "row 2" in str(err.value) and "ground_truth" in str(err.value)
+    assert not (tmp_path / "out").exists()
+
+
+def test_bad_reward_function_and_config_exit_2_without_a_checkpoint(tmp_path):
+    for override, needle in (
+        ("data.reward=no_such_module:score", "no_such_module"),
+        ("trainer.lr=-1", "trainer.lr"),
+        ("algorithm.stapo.tau_p=7", "algorithm.stapo.tau_p"),
+    ):
+        proc = subprocess.run(
+            [sys.executable, "-m", "megatron_rl", "train", str(EXAMPLE), *tiny_overrides(tmp_path), override],
+            capture_output=True, text=True, cwd=ROOT,
+        )  # fmt: skip
+        assert proc.returncode == 2, proc.stderr
+        assert needle in proc.stderr
+    assert not list(tmp_path.rglob("step_*"))
+
+
+def _train_cli(out_dir, *extra):
+    cmd = [sys.executable, "-m", "megatron_rl", "train", str(EXAMPLE), *tiny_overrides(out_dir, *extra)]
+    return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)  # fmt: skip
+
+
+COMPARED = ("rollout/reward/mean", "loss/total", "actor/grad_norm", "loss/approx_kl", "tokens/prob_q1/grad_share")
+
+
+def test_kill9_then_resume_matches_an_uninterrupted_run(tmp_path):
+    args = ("trainer.num_steps=8", "trainer.save_every_steps=2", "trainer.eval_every_steps=4")
+    ref = _train_cli(tmp_path / "a", *args)
+    out, _ = ref.communicate(timeout=600)
+    assert ref.returncode == 0, out
+
+    victim = _train_cli(tmp_path / "b", *args)
+    run_dir = tmp_path / "b" / "tiny_cpu"
+    deadline = time.time() + 600
+    # kill -9 once step 4 is checkpointed and step 5 has been logged (mid-way to step 6's save)
+    while time.time() < deadline:
+        if (run_dir / "checkpoints" / "step_000004").is_dir() and (run_dir / "metrics.jsonl").exists():
+            if any(r["step"] >= 5 for r in read_metrics(run_dir)):
+                break
+        if victim.poll() is not None:
+            pytest.fail("the run finished before it could be killed:\n" + victim.stdout.read())
+        time.sleep(0.05)
+    os.killpg(victim.pid, signal.SIGKILL)
+    victim.wait()
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() in ("step_000004", "step_000006")
+
+    resumed = _train_cli(tmp_path / "b", *args)
+    out, _ = resumed.communicate(timeout=600)
+    assert resumed.returncode == 0, out
+    a = {r["step"]: r for r in read_metrics(tmp_path / "a" / "tiny_cpu")}
+    b = {r["step"]: r for r in read_metrics(run_dir)}
+    assert sorted(b) == list(range(1, 9)), "each step is logged once (lines after the checkpoint dropped)"
+    for step in range(1, 9):
+        for key in COMPARED:
+            assert b[step][key] == pytest.approx(a[step][key], rel=1e-6, abs=1e-7), (step, key)
+    assert b[8]["eval/accuracy/mean"] == a[8]["eval/accuracy/mean"]
+    cfg_saved = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert cfg_saved["trainer"]["num_steps"] == 8
+    json.dumps(b[8])  # metrics are plain JSON
+
+
+def test_resume_never_refuses_to_overwrite(tmp_path, ray_session):
+    cfg = tiny_config(tmp_path, "trainer.num_steps=1", "trainer.eval_every_steps=0")
+    run(cfg)
+    again = load_run_config(EXAMPLE, tiny_overrides(tmp_path, "trainer.num_steps=1", "trainer.resume=never"))
+    with pytest.raises(FileExistsError, match="already holds checkpoints"):
+        Trainer(again)
+    assert Path(cfg.run_dir / "checkpoints" / "latest").exists()
