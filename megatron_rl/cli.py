@@ -238,51 +238,32 @@ register_subcommand(
 )
 
 
-# --------------------------------------------------------------------------- convert
+# --------------------------------------------------------------------------- module subcommands
 
 
-def _add_convert_arguments(parser: argparse.ArgumentParser) -> None:
-    from megatron_rl import convert  # imports torch (about 1 s), not megatron-core
+def register_module_subcommand(name: str, module: str, *, help: str) -> Subcommand:
+    """Register ``name`` as the ``add_arguments(parser)`` / ``run(args)`` pair of ``module``,
+    imported only when the parser is built or the command runs."""
+    import importlib
 
-    convert.add_arguments(parser)
+    return register_subcommand(
+        name,
+        help=help,
+        add_arguments=lambda parser: importlib.import_module(module).add_arguments(parser),
+        run=lambda args: importlib.import_module(module).run(args),
+    )
 
 
-def _run_convert(args: argparse.Namespace) -> int:
-    from megatron_rl import convert
-
-    return convert.run(args)
-
-
-register_subcommand(
+register_module_subcommand(
     "convert",
+    "megatron_rl.convert",  # imports torch (about 1 s), not megatron-core
     help="convert checkpoints: hf-to-mcore (HF safetensors -> megatron dist-checkpoint) or mcore-to-hf",
-    add_arguments=_add_convert_arguments,
-    run=_run_convert,
 )
-
-
-# --------------------------------------------------------------------------- generate-data
-
-
-def _add_generate_data_arguments(parser: argparse.ArgumentParser) -> None:
-    from megatron_rl.data import cli as data_cli
-
-    data_cli.add_arguments(parser)
-
-
-def _run_generate_data(args: argparse.Namespace) -> int:
-    from megatron_rl.data import cli as data_cli
-
-    return data_cli.run(args)
-
-
-register_subcommand(
+register_module_subcommand(
     "generate-data",
+    "megatron_rl.data.cli",
     help="write prompt datasets: kk (Knights-and-Knaves puzzles) or toy (the CPU demo task)",
-    add_arguments=_add_generate_data_arguments,
-    run=_run_generate_data,
 )
-
 
 if __name__ == "__main__":
     sys.exit(main())
