@@ -189,7 +189,16 @@ class ParallelConfig:
     """Megatron sequence parallelism (shards activations along the sequence within TP);
     needs ``tensor_model_parallel_size > 1``."""
 
+    ray_scheduling: Literal["default", "spread"] = "default"
+    """How the actor ranks and the rollout engines are placed on the Ray cluster's nodes:
+    ``default`` leaves it to Ray (which tends to fill the driver's node first, so a small
+    run may use one node); ``spread`` splits each group into contiguous blocks, one per
+    alive node (rank ``i`` of ``k`` on node ``i * n // k``, pinned with Ray's node
+    affinity), so every node gets work and neighbouring ranks share a node. The actual
+    placement is written to ``RUN_DIR/placement.json`` at startup."""
+
     def __post_init__(self) -> None:
+        check_literals(self)
         _require_positive_ints(
             self, "num_actor_ranks", "tensor_model_parallel_size", "pipeline_model_parallel_size",
             "context_parallel_size",

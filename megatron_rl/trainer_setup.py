@@ -6,7 +6,9 @@ directory the rollout engines load (config + tokenizer + initial weights), the p
 the reward workers, the metrics sink.
 
 Placement on CPU is colocated: actor ranks reserve no Ray CPU, engines one each, so a
-2-core machine runs one actor rank and one engine side by side (time-sliced).
+2-core machine runs one actor rank and one engine side by side (time-sliced). On a
+multi-node cluster ``parallel.ray_scheduling: spread`` spreads the ranks and the engines
+over the nodes; the Ray node of each is recorded in ``RUN_DIR/placement.json``.
 """
 
 from __future__ import annotations
@@ -145,6 +147,26 @@ def _write_engine_model_dir(directory: Path, hf_config: dict[str, Any], tokenize
 _ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
 
 
+_SCHEDULING_STRATEGIES = {"default": "DEFAULT", "spread": "SPREAD"}
+
+
+def _write_placement(path: Path, cfg: RunConfig, actors: ActorGroup, pool: RolloutPool) -> None:
+    """Record the Ray node of every actor rank and engine (and the cluster's live nodes):
+    on a multi-node run it shows where the work went."""
+    nodes = {
+        n["NodeID"]: {"ip": n["NodeManagerAddress"], "hostname": n["NodeManagerHostname"]}
+        for n in ray.nodes()
+        if n["Alive"]
+    }
+    placement = {
+        "ray_scheduling": cfg.parallel.ray_scheduling,
+        "actor_ranks": actors.node_ids(),
+        "engines": pool.node_ids(),
+        "nodes": nodes,
+    }
+    path.write_text(json.dumps(placement, indent=2) + "\n")
+
+
 def _resume_source(cfg: RunConfig, checkpoint_dir: Path) -> Path | None:
     mode = cfg.trainer.resume
     if mode == "never":
@@ -191,6 +213,7 @@ def build_components(cfg: RunConfig) -> Components:
         )
 
     cuda = torch.cuda.is_available()
+    strategy = _SCHEDULING_STRATEGIES[cfg.parallel.ray_scheduling]
     actor_config = ActorConfig.from_run_config(cfg)
     actors = ActorGroup(
         actor_config,
@@ -198,6 +221,7 @@ def build_components(cfg: RunConfig) -> Components:
             num_ranks=cfg.parallel.num_actor_ranks,
             num_gpus_per_rank=1.0 if cuda else 0.0,
             with_reference=cfg.algorithm.needs_ref_logp,
+            scheduling_strategy=strategy,
         ),
     )
     if cfg.model.init == "pretrained":
@@ -212,8 +236,11 @@ def build_components(cfg: RunConfig) -> Components:
     pool = RolloutPool.from_config(
         cfg.rollout,
         str(engine_dir),
-        options=PoolOptions(num_cpus_per_engine=0.0 if cuda else 1.0, num_gpus_per_engine=0.0),
+        options=PoolOptions(
+            num_cpus_per_engine=0.0 if cuda else 1.0, num_gpus_per_engine=0.0, scheduling_strategy=strategy
+        ),
     )
+    _write_placement(run_dir / "placement.json", cfg, actors, pool)
     reward_pool = RewardPool(reward, num_workers=cfg.data.num_reward_workers, timeout_s=cfg.data.reward_timeout_s)
     sink = MetricsSink(
         run_dir,

@@ -47,6 +47,11 @@ class ActorGroupOptions:
     with_reference: bool = False
     """Also hold a frozen copy of the initial policy for reference log-probs (KL)."""
 
+    scheduling_strategy: str = "DEFAULT"
+    """Where Ray puts the ranks: ``DEFAULT`` (Ray's own choice) or ``SPREAD`` (contiguous
+    blocks of ranks over the alive nodes, see
+    :func:`megatron_rl.rollout.pool.scheduling_strategies`)."""
+
 
 class ActorWorker:
     """One rank of the actor group (constructed by Ray; see :class:`ActorGroup`)."""
@@ -58,6 +63,10 @@ class ActorWorker:
             torch.set_num_threads(torch_threads)
         self.actor = None
         self.reference = None
+
+    def node_id(self) -> str:
+        """The Ray node this rank runs on (hex id)."""
+        return ray.get_runtime_context().get_node_id()
 
     def address(self) -> tuple[str, int]:
         """This node's IP and a free TCP port (asked of rank 0 for the rendezvous)."""
@@ -134,11 +143,23 @@ class ActorGroup:
 
     def __init__(self, config: ActorConfig, options: ActorGroupOptions):
         self.options = options
-        remote = ray.remote(ActorWorker).options(
-            num_cpus=options.num_cpus_per_rank, num_gpus=options.num_gpus_per_rank, max_restarts=0
+        from megatron_rl.rollout.pool import scheduling_strategies
+
+        placement = scheduling_strategies(
+            options.scheduling_strategy,
+            options.num_ranks,
+            num_cpus=options.num_cpus_per_rank,
+            num_gpus=options.num_gpus_per_rank,
         )
         self.workers = [
-            remote.remote(rank=r, world_size=options.num_ranks, torch_threads=options.torch_threads_per_rank)
+            ray.remote(ActorWorker)
+            .options(
+                num_cpus=options.num_cpus_per_rank,
+                num_gpus=options.num_gpus_per_rank,
+                max_restarts=0,
+                scheduling_strategy=placement[r],
+            )
+            .remote(rank=r, world_size=options.num_ranks, torch_threads=options.torch_threads_per_rank)
             for r in range(options.num_ranks)
         ]
         addr, port = ray.get(self.workers[0].address.remote())
@@ -175,6 +196,10 @@ class ActorGroup:
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         return self._all("hf_state_dict")
+
+    def node_ids(self) -> list[str]:
+        """The Ray node id of every rank, in rank order."""
+        return ray.get([w.node_id.remote() for w in self.workers])
 
     def shutdown(self) -> None:
         for w in self.workers:

@@ -45,7 +45,10 @@ if TYPE_CHECKING:
     from megatron_rl.config import RolloutConfig
     from megatron_rl.rollout.weight_sync import WeightBucket
 
-__all__ = ["EngineSpec", "EngineWorker", "PoolOptions", "RolloutEngineError", "RolloutPool", "build_engine"]
+__all__ = [
+    "EngineSpec", "EngineWorker", "PoolOptions", "RolloutEngineError", "RolloutPool", "build_engine",
+    "scheduling_strategies",
+]  # fmt: skip
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +105,10 @@ class PoolOptions:
     """Ray GPUs per engine actor (vLLM: the tensor-parallel size; fractions for colocated
     placement on a GPU shared with the actor)."""
 
+    scheduling_strategy: str = "DEFAULT"
+    """Where Ray puts the engines: ``DEFAULT`` (Ray's own choice) or ``SPREAD``
+    (contiguous blocks over the alive nodes, see :func:`scheduling_strategies`)."""
+
     max_restarts: int = 3
     """Times Ray restarts a dead engine actor (-1: unlimited)."""
 
@@ -137,6 +144,37 @@ class PoolOptions:
             raise ValueError("PoolOptions.max_inflight_requests_per_engine must be >= 1")
 
 
+def scheduling_strategies(strategy: str, count: int, *, num_cpus: float = 0.0, num_gpus: float = 0.0) -> list[Any]:
+    """One Ray scheduling strategy for each of ``count`` actors (``ray.init`` must have run).
+
+    ``SPREAD`` is deterministic here: actor ``i`` is pinned to node ``i * n // count`` of
+    the ``n`` alive nodes, ordered by IP then node id. Contiguous blocks keep neighbouring
+    actors (the ranks of one TP group) on one node, and with ``count >= n`` every node
+    gets work. The pin is hard (Ray's node affinity with ``soft=False``): Ray's own
+    ``SPREAD`` and soft affinity are best effort, and in our tests both put actors that
+    reserve no resources on one node. A block that needs more CPUs or GPUs than its node
+    has raises ``ValueError`` (it would wait forever). Any other value (``DEFAULT``, a Ray
+    strategy object) is used for every actor unchanged.
+    """
+    if strategy != "SPREAD":
+        return [strategy] * count
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    nodes = sorted((n for n in ray.nodes() if n["Alive"]), key=lambda n: (n["NodeManagerAddress"], n["NodeID"]))
+    placement = [nodes[i * len(nodes) // count] for i in range(count)]
+    for node in nodes:
+        block = sum(1 for chosen in placement if chosen is node)
+        have = node["Resources"]
+        if block * num_cpus > have.get("CPU", 0) or block * num_gpus > have.get("GPU", 0):
+            raise ValueError(
+                f"SPREAD placement: node {node['NodeManagerAddress']} ({node['NodeID'][:8]}) would get {block} "
+                f"actor(s) needing {num_cpus:g} CPU and {num_gpus:g} GPU each, but has "
+                f"{have.get('CPU', 0):g} CPU and {have.get('GPU', 0):g} GPU"
+            )
+    return [NodeAffinitySchedulingStrategy(node["NodeID"], soft=False) for node in placement]
+
+
 class EngineWorker:
     """The body of one engine's Ray actor: builds the engine and forwards calls to it."""
 
@@ -162,6 +200,12 @@ class EngineWorker:
 
     def health(self) -> dict[str, Any]:
         return {**self.engine.health(), "pid": os.getpid()}
+
+    def node_id(self) -> str:
+        """The Ray node this engine runs on (hex id)."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
 
     def shutdown(self) -> None:
         self.engine.shutdown()
@@ -210,14 +254,22 @@ class RolloutPool:
         self.options = options or PoolOptions()
         opts = self.options
         self.engine_names = [f"{opts.name_prefix}-{i}" for i in range(num_engines)]
-        actor_cls = ray.remote(EngineWorker).options(
-            num_cpus=opts.num_cpus_per_engine,
-            num_gpus=opts.num_gpus_per_engine,
-            max_restarts=opts.max_restarts,
-            max_task_retries=0,
+        placement = scheduling_strategies(
+            opts.scheduling_strategy, num_engines, num_cpus=opts.num_cpus_per_engine, num_gpus=opts.num_gpus_per_engine
         )
         threads = max(1, int(opts.num_cpus_per_engine))
-        self.actors = [actor_cls.remote(spec, name, threads) for name in self.engine_names]
+        self.actors = [
+            ray.remote(EngineWorker)
+            .options(
+                num_cpus=opts.num_cpus_per_engine,
+                num_gpus=opts.num_gpus_per_engine,
+                max_restarts=opts.max_restarts,
+                max_task_retries=0,
+                scheduling_strategy=strategy,
+            )
+            .remote(spec, name, threads)
+            for name, strategy in zip(self.engine_names, placement)
+        ]
         self._dead: dict[int, str] = {}
         self._version = 0
         self._sleeping = False
@@ -581,6 +633,14 @@ class RolloutPool:
             except Exception as exc:
                 reports.append({"ok": False, "engine": self.engine_names[i], "error": f"{type(exc).__name__}: {exc}"})
         return reports
+
+    def node_ids(self) -> list[str | None]:
+        """The Ray node id of every engine (``None`` for a dead one), in engine order."""
+        import ray
+
+        refs = {i: self.actors[i].node_id.remote() for i in self.live_engines}
+        timeout = self.options.restart_timeout_s
+        return [ray.get(refs[i], timeout=timeout) if i in refs else None for i in range(self.num_engines)]
 
     def __enter__(self) -> RolloutPool:
         return self
