@@ -131,11 +131,13 @@ def test_convert_job(local_slurm, tmp_path):
     out = tmp_path / "mcore"
     # The script asks for 8 CPUs and 64G, more than a fake node has.
     args = ["--cpus-per-task=2", "--mem=1G", *sbatch_args(tmp_path, "convert.sbatch", nodes=1)]
-    job = local_slurm.submit_and_wait(*args, "hf-to-mcore", "--hf", str(hf), "--out", str(out), "--tp", "2", timeout_s=120)
+    job = local_slurm.submit_and_wait(
+        *args, "hf-to-mcore", "--hf", str(hf), "--out", str(out), "--tp", "2", timeout_s=300
+    )
     assert (job.state, job.exit_code) == ("COMPLETED", 0), job.stdout[-4000:]
     assert (out / "metadata.json").is_file()
     bad = local_slurm.submit_and_wait(
-        *args, "hf-to-mcore", "--hf", str(tmp_path / "nowhere"), "--out", str(tmp_path / "mcore2"), timeout_s=120
+        *args, "hf-to-mcore", "--hf", str(tmp_path / "nowhere"), "--out", str(tmp_path / "mcore2"), timeout_s=300
     )
     assert bad.state == "FAILED" and bad.exit_code != 0, bad.stdout[-4000:]
 
