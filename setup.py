@@ -58,6 +58,6 @@ setup(
     include_package_data=True,
     install_requires=INSTALL_REQUIRES,
     extras_require=EXTRAS_REQUIRE,
-    entry_points={"console_scripts": ["megatron-rl=megatron_rl.cli:main"]},
+    entry_points={"console_scripts": ["megatron-rl=megatron_rl.commands:main"]},
     license="Apache-2.0",
 )

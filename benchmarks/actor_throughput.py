@@ -101,21 +101,25 @@ def main(argv: list[str] | None = None) -> int:
         _init_single_process()
     import torch.distributed as dist
 
-    from megatron_rl.actor.actor import ActorConfig, MegatronActor
+    from megatron_rl.actor.actor import MegatronActor
     from megatron_rl.actor.batch import ActorBatch
     from megatron_rl.actor.launch import init_process_group
-    from megatron_rl.actor.model import ModelOptions
+    from megatron_rl.actor.spec import ActorSpec
     from megatron_rl.algo import AlgorithmConfig
+    from megatron_rl.config import ModelOptions, ParallelConfig, TrainerConfig
 
     init_process_group()
     actor = MegatronActor(
-        ActorConfig(
-            hf_config=cfg,
-            tensor_model_parallel_size=args.tp,
-            pipeline_model_parallel_size=args.pp,
+        ActorSpec(
+            architecture=cfg,
+            parallel=ParallelConfig(
+                num_actor_ranks=dist.get_world_size(),
+                tensor_model_parallel_size=args.tp,
+                pipeline_model_parallel_size=args.pp,
+            ),
             model=ModelOptions(dtype=dtype, fp8=args.fp8),
-            lr=1e-6,
-            max_tokens_per_microbatch=budget,
+            trainer=TrainerConfig(lr=1e-6, max_tokens_per_microbatch=budget),
+            algorithm=AlgorithmConfig(kl_coef=0.0),
         )
     )
     g = torch.Generator().manual_seed(0)
@@ -128,15 +132,14 @@ def main(argv: list[str] | None = None) -> int:
     logprob_s = time.perf_counter() - start
     advantages = torch.randn(sequences, seq_len, generator=g)
     batch = ActorBatch(input_ids=ids, attention_mask=attn, loss_mask=loss_mask, old_logp=old, advantages=advantages)
-    algorithm = AlgorithmConfig(kl_coef=0.0)
-    actor.train_step(batch, algorithm)  # warm-up
+    actor.train_step(batch)  # warm-up
     times = []
     for _ in range(args.steps):
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         dist.barrier()
         t = time.perf_counter()
-        metrics = actor.train_step(batch, algorithm)
+        metrics = actor.train_step(batch)
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t)

@@ -114,13 +114,15 @@ def main() -> None:
 
         import ray
 
-        from megatron_rl.rollout import EngineSpec, PoolOptions, RolloutPool
+        from megatron_rl.config import RolloutConfig
+        from megatron_rl.placement import GroupPlacement
+        from megatron_rl.rollout import RolloutPool
 
         ray.init(num_cpus=max(2, max(args.engines)), include_dashboard=False, log_to_driver=False)
         try:
             for num_engines in args.engines:
-                pool = RolloutPool(EngineSpec(model_path=tmp), num_engines=num_engines,
-                                   options=PoolOptions(num_cpus_per_engine=1))  # fmt: skip
+                pool = RolloutPool(RolloutConfig(num_engines=num_engines), tmp,
+                                   placement=GroupPlacement.uniform(num_engines, num_cpus=1))  # fmt: skip
                 seconds, out = timed(lambda: pool.generate(prompts, params), args.repeats)
                 report("pool", seconds, out, args, engines=num_engines, threads_per_engine=1)
                 pool.shutdown()

@@ -75,14 +75,14 @@ rollout: {{num_prompts_per_step: 8, num_samples_per_prompt: 4, temperature: 1.0,
           max_prompt_tokens: 16, max_new_tokens: 32}}
 trainer: {{num_steps: {args.steps}, lr: 1.0e-3, num_minibatches_per_step: 1, num_epochs_per_step: 1,
           eval_every_steps: 0, save_every_steps: 0, output_dir: {tmp / 'runs'}, resume: never}}
-data: {{train_files: [{tmp / 'train.jsonl'}], reward: toy_copy, prompt_template: none, num_reward_workers: 1}}
+data: {{train_files: [{tmp / 'train.jsonl'}], task: toy_copy, prompt_template: none, num_reward_workers: 1}}
 logging: {{run_name: bench, wandb_mode: disabled, token_diagnostics: false}}
 """
         )
         cfg = load_run_config(cfg_path)
         start = time.time()
         trainer = Trainer(cfg)
-        num_params = sum(t.numel() for t in trainer.c.actors.hf_state_dict().values())
+        num_params = sum(t.numel() for t in trainer.parts.actors.hf_state_dict().values())
         setup_s = time.time() - start
         trainer.run()
         # Resident memory of every process of the run (driver, actor rank, engine, reward

@@ -58,7 +58,10 @@ def main() -> None:
     import ray
     from safetensors import safe_open
 
-    from megatron_rl.rollout import EngineSpec, PoolOptions, RolloutPool
+    from megatron_rl.config import RolloutConfig
+    from megatron_rl.placement import GroupPlacement
+    from megatron_rl.rollout import RolloutPool
+    from megatron_rl.weight_buckets import MIB, make_buckets
 
     with tempfile.TemporaryDirectory() as tmp:
         save_model(tmp, args)
@@ -73,11 +76,11 @@ def main() -> None:
         )
         try:
             for num_engines in args.engines:
-                pool = RolloutPool(EngineSpec(model_path=tmp), num_engines=num_engines,
-                                   options=PoolOptions(num_cpus_per_engine=1))  # fmt: skip
+                pool = RolloutPool(RolloutConfig(num_engines=num_engines), tmp,
+                                   placement=GroupPlacement.uniform(num_engines, num_cpus=1))  # fmt: skip
                 # The pool's first sync is cold: the object store and the engines fault in
                 # fresh pages. Reported apart; every bucket size then gets one warm-up sync.
-                cold = pool.update_weights(iter(weights), 1, bucket_mb=max(args.bucket_mb))
+                cold = pool.sync(make_buckets(iter(weights), int(max(args.bucket_mb) * MIB)), version=1)
                 print(json.dumps({"benchmark": "weight_sync", "engines": num_engines, "case": "first_sync_cold",
                                   "bucket_mb": max(args.bucket_mb), "payload_bytes": payload,
                                   "seconds": round(cold["weight_sync/seconds"], 3),
@@ -87,7 +90,7 @@ def main() -> None:
                     runs = []
                     for _ in range(args.repeats + 1):
                         version += 1
-                        runs.append(pool.update_weights(iter(weights), version, bucket_mb=bucket_mb))
+                        runs.append(pool.sync(make_buckets(iter(weights), int(bucket_mb * MIB)), version=version))
                     runs = runs[1:]  # warm-up
                     seconds = statistics.median(r["weight_sync/seconds"] for r in runs)
                     pack = statistics.median(r["weight_sync/put_seconds"] for r in runs)

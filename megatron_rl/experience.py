@@ -1,21 +1,22 @@
-"""From prompts and sampled completions to the actor's padded batch, and back.
+"""From prompts and sampled completions to the actor's padded batch.
 
 Row ``g * n + j`` of the batch is sample ``j`` of prompt ``g`` (the pool returns the
 ``n`` samples of a prompt together, in prompt order), so ``group_index = row // n``.
 Columns follow the actor's alignment (``actor/batch.py``): column ``t`` is about token
 ``input_ids[:, t]``; a response's tokens sit right after its prompt and are the only
-columns with ``loss_mask = 1``; rows are right-padded.
+columns with ``loss_mask = 1``; rows are right-padded. Each response's advantage is
+broadcast to its tokens here (:meth:`Experience.actor_batch`).
 """
 
 from __future__ import annotations
 
-import random
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from megatron_rl.actor.batch import ActorBatch
+from megatron_rl.algo import broadcast_to_tokens
 from megatron_rl.rollout.base import Completion
 
 
@@ -24,10 +25,8 @@ class Experience:
     """One RL step's samples as tensors (``N`` responses, ``L`` = longest prompt + response)."""
 
     batch: ActorBatch
-    """``input_ids``, ``attention_mask`` and ``loss_mask``; the RL tensors are filled later."""
-
-    engine_logp: torch.Tensor
-    """``[N, L]`` float32 log-probs the engines reported for the response tokens (0 elsewhere)."""
+    """``input_ids``, ``attention_mask``, ``loss_mask`` and ``engine_logp`` (the log-probs
+    the engines reported for the response tokens, 0 elsewhere); the actor fills the rest."""
 
     group_index: torch.Tensor
     """``[N]`` int64 prompt index of each response (the GRPO group)."""
@@ -37,6 +36,10 @@ class Experience:
 
     weight_versions: list[int]
     """Weight version that generated each response."""
+
+    def actor_batch(self, advantages_N: torch.Tensor) -> ActorBatch:
+        """The batch with each response's advantage (``[N]``) on its response tokens."""
+        return replace(self.batch, advantages=broadcast_to_tokens(advantages_N, self.batch.loss_mask))
 
 
 def build_experience(
@@ -65,20 +68,8 @@ def build_experience(
         loss_mask[i, p:end] = 1
         engine_logp[i, p:end] = torch.as_tensor(c.logprobs, dtype=torch.float32)
     return Experience(
-        batch=ActorBatch(input_ids=input_ids, attention_mask=attention, loss_mask=loss_mask),
-        engine_logp=engine_logp,
+        batch=ActorBatch(input_ids=input_ids, attention_mask=attention, loss_mask=loss_mask, engine_logp=engine_logp),
         group_index=torch.tensor([g for g, _ in rows], dtype=torch.long),
         response_lengths=torch.tensor([len(c.token_ids) for _, c in rows], dtype=torch.long),
         weight_versions=[c.weight_version for _, c in rows],
     )
-
-
-def minibatch_rows(num_rows: int, num_minibatches: int, *, seed: int) -> list[torch.Tensor]:
-    """Split ``num_rows`` responses into ``num_minibatches`` equal mini-batches, in a
-    seeded random order (so every mini-batch mixes prompts, as PPO-style epochs do)."""
-    if num_rows % num_minibatches:
-        raise ValueError(f"{num_rows} responses do not split into {num_minibatches} equal mini-batches")
-    order = list(range(num_rows))
-    random.Random(seed).shuffle(order)
-    size = num_rows // num_minibatches
-    return [torch.tensor(sorted(order[k * size : (k + 1) * size])) for k in range(num_minibatches)]

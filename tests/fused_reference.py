@@ -40,7 +40,7 @@ def naive_loss(logits, targets, mask, old_logp, ref_logp, adv, cfg, *, temperatu
     used = full if vocab_size is None else full[..., :vocab_size]
     logp, entropy = naive_logp_entropy(used, targets, temperature)
     out = compute_policy_loss(
-        logp, old_logp, adv, mask, cfg, ref_logp=ref_logp, entropy=entropy, lopti_phase=phase
+        logp, old_logp, adv, mask, cfg, ref_logp=ref_logp, entropy=entropy, phase=phase
     )
     loss = out.loss_sum / out.count
     loss.backward()

@@ -55,6 +55,11 @@ class ActorBatch:
     """``[N, L]`` float token advantages BEFORE Advantage Reweighting (``train_step`` applies
     AR from ``old_logp``); needed by ``train_step``."""
 
+    engine_logp: torch.Tensor | None = None
+    """``[N, L]`` float32 log-probs the rollout engines reported for the response tokens (0
+    elsewhere): the behaviour policy, compared with ``old_logp`` for the mismatch metrics
+    and the truncated importance weights."""
+
     position_ids: torch.Tensor | None = None
     """Optional ``[N, L]``; must equal ``arange(L)`` per row (RoPE positions are implicit)."""
 
@@ -134,9 +139,7 @@ class MicroBatch:
     ref_logp: torch.Tensor | None = None
     """``[b, s]`` shifted reference log-probs."""
     advantages: torch.Tensor | None = None
-    """``[b, s]`` shifted advantages (AR applied by ``train_step``)."""
-    stapo_threshold: torch.Tensor | None = None
-    """STAPO ``tau_h`` of the whole mini-batch (set by ``train_step``), or None."""
+    """``[b, s]`` shifted advantages (reweighting applied by ``train_step``)."""
 
     @property
     def num_tokens_padded(self) -> int:

@@ -15,69 +15,17 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
 from megatron_rl.actor import cpu_shim
+from megatron_rl.config.model import ModelOptions
 from megatron_rl.models import DecoderAdapter, adapter_for_config, padded_vocab_size
 from megatron_rl.models.common import config_dict
 
-__all__ = ["ModelOptions", "load_hf_config", "te_available", "build_transformer_config", "build_gpt_model"]
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-@dataclass(kw_only=True)
-class ModelOptions:
-    """Precision and kernel choices for the actor model (architecture comes from the HF config)."""
-
-    dtype: Literal["float32", "bfloat16"] = "float32"
-    """Parameter and activation dtype. Gradients are reduced and the optimizer keeps its
-    master weights and moments in float32 in both cases."""
-
-    use_te: bool | None = None
-    """Transformer-Engine layer spec: ``None`` picks it on CUDA when ``transformer_engine``
-    imports, else the local spec; ``True`` without TE fails at build time."""
-
-    fp8: Literal["e4m3", "hybrid"] | None = None
-    """FP8 GEMMs (TE spec only): ``e4m3`` everywhere, or ``hybrid`` (e4m3 forward, e5m2
-    gradients); ``None`` disables FP8 (default)."""
-
-    fp8_recipe: Literal["delayed", "tensorwise", "mxfp8", "blockwise"] = "delayed"
-    """FP8 scaling recipe passed to megatron-core (``delayed`` = TE DelayedScaling)."""
-
-    fp8_margin: int = 0
-    """Scaling-factor margin (powers of two) of the delayed recipe."""
-
-    fp8_amax_history_len: int = 1024
-    """Length of the amax history window of the delayed recipe."""
-
-    fp8_amax_compute_algo: Literal["most_recent", "max"] = "max"
-    """How the scale is derived from the amax history."""
-
-    make_vocab_size_divisible_by: int = 128
-    """Embedding / output rows are padded to a multiple of this times TP (Megatron-LM
-    convention; padding rows never enter the loss and are stripped on export)."""
-
-    transformer_config_overrides: dict[str, Any] = field(default_factory=dict)
-    """Extra ``TransformerConfig`` keyword arguments passed through unchanged (e.g.
-    ``recompute_granularity``); applied last."""
-
-    def __post_init__(self) -> None:
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
-        if self.fp8 is not None and self.use_te is False:
-            raise ValueError("fp8 needs the Transformer-Engine spec; use_te=False was given")
-        if self.fp8_amax_history_len < 1 or self.fp8_margin < 0:
-            raise ValueError("fp8_amax_history_len must be >= 1 and fp8_margin >= 0")
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return _DTYPES[self.dtype]
-
+__all__ = ["load_hf_config", "te_available", "build_transformer_config", "build_gpt_model"]
 
 def load_hf_config(source: Any) -> dict[str, Any]:
     """A ``config.json`` dict from a HF model directory, a ``config.json`` path, a dict or a

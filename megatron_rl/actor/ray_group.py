@@ -1,56 +1,44 @@
 """The Megatron actor's ranks as Ray actors, driven as one group by the trainer.
 
 Every rank is a Ray actor process running one :class:`~megatron_rl.actor.actor.MegatronActor`.
-The group is started in two phases: the workers are created, rank 0 reports its node's
-address and a free port, then every rank joins the same ``torch.distributed`` group
-(gloo on CPU, NCCL on GPU) and builds its model. Each call of the group runs the same
-method on every rank (the actor's methods are collective) and returns rank 0's result.
+The group is started in two phases: the workers are created (where
+:mod:`megatron_rl.placement` says), rank 0 reports its node's address and a free port,
+then every rank joins the same ``torch.distributed`` group (gloo on CPU, NCCL on GPU)
+and builds its model from the same :class:`~megatron_rl.actor.spec.ActorSpec`, received
+once. Each call of the group runs the same method on every rank (the actor's methods are
+collective) and returns rank 0's result.
 
-With ``with_reference=True`` each rank also holds a frozen copy of the initial policy
-for the KL term's reference log-probs. It is a second ``MegatronActor`` built from the
-same config and seed (so the same initial weights); its optimizer is never stepped.
-On GPUs that copy costs a second model's memory; offloading it is future work.
+When the loss has a KL term each rank also holds a frozen copy of the initial policy for
+the reference log-probs: a second ``MegatronActor`` built from the same spec and seed
+(so the same initial weights); its optimizer is never stepped.
+
+The group also keeps the run's non-finite rule: a step whose updates were skipped for a
+non-finite loss or gradient norm is counted, and ``trainer.max_consecutive_nonfinite_steps``
+of them in a row raise :class:`NonFiniteStepsError` (the counter is saved with the
+driver's state in every checkpoint).
 """
 
 from __future__ import annotations
 
 import os
 import socket
-from dataclasses import dataclass
+from collections.abc import Iterator
 from typing import Any
 
 import ray
 import torch
 
-from megatron_rl.actor.actor import ActorConfig, LogProbs
+from megatron_rl.actor.actor import LogProbs
 from megatron_rl.actor.batch import ActorBatch
-from megatron_rl.algo.config import AlgorithmConfig
+from megatron_rl.actor.spec import ActorSpec
+from megatron_rl.placement import GroupPlacement
+from megatron_rl.weight_buckets import WeightBucket, make_buckets
+
+__all__ = ["ActorGroup", "ActorWorker", "NonFiniteStepsError"]
 
 
-@dataclass(kw_only=True)
-class ActorGroupOptions:
-    """How the actor ranks are placed."""
-
-    num_ranks: int = 1
-    """Actor processes (TP x PP x DP)."""
-
-    num_cpus_per_rank: float = 0.0
-    """Ray CPUs reserved per rank (0 lets ranks share cores with the rollout engines: the
-    colocated placement on CPU)."""
-
-    num_gpus_per_rank: float = 0.0
-    """Ray GPUs per rank (1 on GPU clusters)."""
-
-    torch_threads_per_rank: int = 1
-    """torch intra-op threads per rank on CPU."""
-
-    with_reference: bool = False
-    """Also hold a frozen copy of the initial policy for reference log-probs (KL)."""
-
-    scheduling_strategy: str = "DEFAULT"
-    """Where Ray puts the ranks: ``DEFAULT`` (Ray's own choice) or ``SPREAD`` (contiguous
-    blocks of ranks over the alive nodes, see
-    :func:`megatron_rl.rollout.pool.scheduling_strategies`)."""
+class NonFiniteStepsError(RuntimeError):
+    """Too many consecutive steps had a non-finite loss or gradient norm."""
 
 
 class ActorWorker:
@@ -75,7 +63,7 @@ class ActorWorker:
             port = s.getsockname()[1]
         return ray.util.get_node_ip_address(), port
 
-    def setup(self, *, master_addr: str, master_port: int, config: ActorConfig, with_reference: bool) -> None:
+    def setup(self, *, master_addr: str, master_port: int, spec: ActorSpec) -> None:
         from megatron_rl.actor.actor import MegatronActor
         from megatron_rl.actor.launch import init_process_group, initialize_parallel
 
@@ -88,25 +76,24 @@ class ActorWorker:
         )
         init_process_group(rank=self.rank, world_size=self.world_size)
         groups = initialize_parallel(
-            tensor_model_parallel_size=config.tensor_model_parallel_size,
-            pipeline_model_parallel_size=config.pipeline_model_parallel_size,
-            seed=config.seed,
+            tensor_model_parallel_size=spec.parallel.tensor_model_parallel_size,
+            pipeline_model_parallel_size=spec.parallel.pipeline_model_parallel_size,
+            seed=spec.trainer.seed,
         )
-        self.actor = MegatronActor(config, groups=groups)
-        if with_reference:
-            self.reference = MegatronActor(config, groups=groups)
+        self.actor = MegatronActor(spec, groups=groups)
+        if spec.with_reference:
+            self.reference = MegatronActor(spec, groups=groups)
 
-    def compute_logprobs(self, batch: ActorBatch, temperature: float, policy: str = "actor") -> LogProbs:
+    def compute_logprobs(self, batch: ActorBatch, policy: str = "actor") -> LogProbs:
         model = self.reference if policy == "reference" else self.actor
         if model is None:
-            raise RuntimeError(f"no {policy!r} model on this actor group (with_reference is off)")
-        return model.compute_logprobs(batch, temperature)
+            raise RuntimeError(f"no {policy!r} model on this actor group (the loss has no KL term)")
+        return model.compute_logprobs(batch)
 
-    def train_step(self, batch: ActorBatch, algorithm: AlgorithmConfig, temperature: float, lopti_phase, norms: bool):
-        metrics = self.actor.train_step(
-            batch, algorithm, temperature=temperature, lopti_phase=lopti_phase, token_grad_norms=norms
-        )
-        return metrics, (self.actor.last_token_grad_norms if norms else None)
+    def update_policy(self, batch: ActorBatch, step: int, token_stats: bool) -> dict[str, float]:
+        from megatron_rl.actor.update import update_policy
+
+        return update_policy(self.actor, self.reference, batch, step=step, token_stats=token_stats)
 
     def save_checkpoint(self, directory: str, trainer_state: dict[str, Any] | None) -> str:
         return str(self.actor.save_checkpoint(directory, trainer_state=trainer_state))
@@ -120,17 +107,16 @@ class ActorWorker:
             self.reference.load_hf_weights(directory)
         return count
 
-    def put_weight_buckets(self, bucket_bytes: int) -> list[ray.ObjectRef] | None:
-        """Gather full HF-named tensors (collective) and, on rank 0, ``ray.put`` them in
-        buckets for the rollout engines; other ranks return ``None``."""
-        from megatron_rl.rollout.weight_sync import bucket_named_tensors, make_bucket
-
+    def stream_weight_buckets(self, bucket_bytes: int) -> Iterator[WeightBucket]:
+        """Gather full HF-named tensors (collective on every rank) and, on rank 0, yield them
+        in buckets; run as a Ray streaming generator, each bucket lands in the object
+        store as it is yielded. Other ranks take part in the gathers and yield nothing."""
         named = self.actor.iter_hf_weights(bucket_bytes=bucket_bytes)
         if self.rank != 0:
             for _ in named:  # every rank takes part in the gathers
                 pass
-            return None
-        return [ray.put(make_bucket(tensors)) for tensors in bucket_named_tensors(named, bucket_bytes)]
+            return
+        yield from make_buckets(named, bucket_bytes)
 
     def hf_state_dict(self) -> dict[str, torch.Tensor] | None:
         """All HF-named tensors on rank 0 (for small models and tests); ``None`` elsewhere."""
@@ -139,48 +125,62 @@ class ActorWorker:
 
 
 class ActorGroup:
-    """``num_ranks`` :class:`ActorWorker` Ray actors forming one Megatron world."""
+    """The actor's ranks (``spec.parallel.num_actor_ranks`` :class:`ActorWorker` Ray actors)
+    forming one Megatron world.
 
-    def __init__(self, config: ActorConfig, options: ActorGroupOptions):
-        self.options = options
-        from megatron_rl.rollout.pool import scheduling_strategies
+    Args:
+        spec: what every rank builds (sent once, at construction).
+        placement: where each rank runs (:mod:`megatron_rl.placement`); default: Ray's own
+            scheduling, no reserved resources, one torch thread per rank.
+    """
 
-        placement = scheduling_strategies(
-            options.scheduling_strategy,
-            options.num_ranks,
-            num_cpus=options.num_cpus_per_rank,
-            num_gpus=options.num_gpus_per_rank,
-        )
+    def __init__(self, spec: ActorSpec, placement: GroupPlacement | None = None):
+        num_ranks = spec.parallel.num_actor_ranks
+        placement = placement or GroupPlacement.uniform(num_ranks)
+        if len(placement) != num_ranks:
+            raise ValueError(f"placement has {len(placement)} members for {num_ranks} actor ranks")
+        self.spec = spec
+        self.consecutive_nonfinite = 0
+        """RL steps in a row whose updates were skipped (see :meth:`update_policy`)."""
         self.workers = [
             ray.remote(ActorWorker)
-            .options(
-                num_cpus=options.num_cpus_per_rank,
-                num_gpus=options.num_gpus_per_rank,
-                max_restarts=0,
-                scheduling_strategy=placement[r],
-            )
-            .remote(rank=r, world_size=options.num_ranks, torch_threads=options.torch_threads_per_rank)
-            for r in range(options.num_ranks)
+            .options(max_restarts=0, **options)
+            .remote(rank=r, world_size=num_ranks, torch_threads=placement.torch_threads)
+            for r, options in enumerate(placement.ray_options)
         ]
         addr, port = ray.get(self.workers[0].address.remote())
-        self._all(
-            "setup", master_addr=addr, master_port=port, config=config, with_reference=options.with_reference
-        )
+        self._all("setup", master_addr=addr, master_port=port, spec=spec)
 
     def _all(self, method: str, *args, **kwargs) -> Any:
         """Run ``method`` on every rank (collective); rank 0's result."""
         refs = [getattr(w, method).remote(*args, **kwargs) for w in self.workers]
         return ray.get(refs)[0]
 
-    def compute_logprobs(self, batch: ActorBatch, temperature: float, *, policy: str = "actor") -> LogProbs:
-        return self._all("compute_logprobs", ray.put(batch), temperature, policy)
+    def compute_logprobs(self, batch: ActorBatch, *, policy: str = "actor") -> LogProbs:
+        """Per-token log-probs and entropies of ``batch`` (``policy``: actor or reference)."""
+        return self._all("compute_logprobs", ray.put(batch), policy)
 
-    def train_step(
-        self, batch: ActorBatch, algorithm: AlgorithmConfig, *, temperature: float, lopti_phase=None,
-        token_grad_norms: bool = False,
-    ) -> tuple[dict[str, float], torch.Tensor | None]:
-        """One optimizer step; ``(metrics, [N, L] per-token logit-gradient norms or None)``."""
-        return self._all("train_step", ray.put(batch), algorithm, temperature, lopti_phase, token_grad_norms)
+    def update_policy(self, batch: ActorBatch, step: int, *, token_stats: bool = False) -> dict[str, float]:
+        """RL step ``step``'s whole update on ``batch`` (see ``actor/update.py``); its metrics.
+
+        Raises :class:`NonFiniteStepsError` once ``trainer.max_consecutive_nonfinite_steps``
+        steps in a row had a skipped (non-finite) update."""
+        metrics = self._all("update_policy", ray.put(batch), step, token_stats)
+        limit = self.spec.trainer.max_consecutive_nonfinite_steps
+        self.consecutive_nonfinite = self.consecutive_nonfinite + 1 if metrics["actor/step_skipped"] else 0
+        if self.consecutive_nonfinite >= limit:
+            raise NonFiniteStepsError(
+                f"{self.consecutive_nonfinite} consecutive steps had a non-finite loss or gradient norm "
+                f"(trainer.max_consecutive_nonfinite_steps={limit}); stopping with the last good checkpoint intact"
+            )
+        return metrics
+
+    def state_dict(self) -> dict[str, int]:
+        """The group's driver-side state, saved with the trainer's in each checkpoint."""
+        return {"consecutive_nonfinite": self.consecutive_nonfinite}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.consecutive_nonfinite = int(state.get("consecutive_nonfinite", 0))
 
     def save_checkpoint(self, directory: str, trainer_state: dict[str, Any] | None = None) -> str:
         return self._all("save_checkpoint", str(directory), trainer_state)
@@ -191,8 +191,20 @@ class ActorGroup:
     def load_hf_weights(self, directory: str) -> int:
         return self._all("load_hf_weights", str(directory))
 
-    def put_weight_buckets(self, bucket_bytes: int) -> list[ray.ObjectRef]:
-        return self._all("put_weight_buckets", bucket_bytes)
+    def weight_buckets(self, bucket_bytes: int, *, max_buffered: int = 2) -> Iterator[Any]:
+        """ObjectRefs of the model's weight buckets (HF names), produced lazily by rank 0:
+        rank 0 runs at most ``max_buffered`` buckets ahead of the consumer
+        (``RolloutPool.sync``). Consume to the end: every rank takes part in the gathers."""
+        streams = [
+            w.stream_weight_buckets.options(
+                num_returns="streaming", _generator_backpressure_num_objects=max_buffered
+            ).remote(bucket_bytes)
+            for w in self.workers
+        ]
+        yield from streams[0]
+        for stream in streams[1:]:
+            for ref in stream:  # none: other ranks only gather; raises if a rank failed
+                ray.get(ref)
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         return self._all("hf_state_dict")

@@ -1,7 +1,10 @@
 """Pure tensor math of the RL losses: advantages, token weights, the policy loss.
 
-No Ray, Megatron or vLLM imports here (tests/unit/test_algo_imports.py checks it), so
-the same functions serve the fused vocab-parallel op, the actor and the tests.
+No Ray, Megatron or vLLM imports here (tests/unit/test_algo_imports.py checks it; the
+package's import-graph test allows ``algo`` to import only ``algo`` and ``configlib``),
+so the same functions serve the fused vocab-parallel op, the actor and the tests.
+Token-weight methods are registered objects (``methods.py``) that the policy loss
+composes; callers use the generic entry points and never name a method.
 """
 
 from megatron_rl.algo.advantages import (
@@ -20,6 +23,15 @@ from megatron_rl.algo.config import (
     STAPOConfig,
     TRGRPOConfig,
 )
+from megatron_rl.algo.methods import (
+    TOKEN_WEIGHT_METHODS,
+    PrepassTokens,
+    TokenWeightMethod,
+    needs_prepass,
+    prepass_statistics,
+    update_phases,
+)
+from megatron_rl.algo.mismatch import MismatchOutput, logprob_mismatch
 from megatron_rl.algo.policy_loss import (
     LossOutput,
     compute_policy_loss,
@@ -39,13 +51,17 @@ from megatron_rl.algo.token_weights import (
 )
 
 __all__ = [
+    "TOKEN_WEIGHT_METHODS",
     "ARConfig",
     "AdvantageConfig",
     "AlgorithmConfig",
     "LoptiConfig",
     "LossOutput",
+    "MismatchOutput",
+    "PrepassTokens",
     "STAPOConfig",
     "TRGRPOConfig",
+    "TokenWeightMethod",
     "UnknownEstimatorError",
     "advantage_reweight",
     "broadcast_to_tokens",
@@ -54,14 +70,18 @@ __all__ = [
     "finalize_metrics",
     "get_advantage_estimator",
     "kl_penalty",
+    "logprob_mismatch",
     "lopti_split",
     "merge_metrics",
+    "needs_prepass",
     "ppo_clip_loss",
     "prepare_advantages",
+    "prepass_statistics",
     "register_advantage",
     "registered_advantages",
     "stapo_candidates",
     "stapo_entropy_threshold",
     "stapo_spurious_mask",
     "tr_grpo_weight",
+    "update_phases",
 ]

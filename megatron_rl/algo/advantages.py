@@ -29,6 +29,7 @@ from typing import Protocol
 import torch
 
 from megatron_rl.algo.config import AdvantageConfig
+from megatron_rl.configlib import Registry, UnknownNameError
 
 
 class AdvantageEstimator(Protocol):
@@ -37,14 +38,14 @@ class AdvantageEstimator(Protocol):
     ) -> torch.Tensor: ...
 
 
-class UnknownEstimatorError(KeyError):
+class UnknownEstimatorError(UnknownNameError):
     """Raised for a name that no estimator is registered under; lists the registered ones."""
 
-    def __str__(self) -> str:  # KeyError would quote the whole message
-        return str(self.args[0])
 
-
-_REGISTRY: dict[str, AdvantageEstimator] = {}
+ADVANTAGE_ESTIMATORS: Registry[AdvantageEstimator] = Registry(
+    "advantage estimator", unknown_error=UnknownEstimatorError
+)
+"""Estimators by name (``algorithm.advantage.estimator``)."""
 
 
 def register_advantage(name: str) -> Callable[[AdvantageEstimator], AdvantageEstimator]:
@@ -55,29 +56,17 @@ def register_advantage(name: str) -> Callable[[AdvantageEstimator], AdvantageEst
         @register_advantage("my_baseline")
         def my_baseline(rewards_N, group_index_N, config): ...
     """
-
-    def wrap(fn: AdvantageEstimator) -> AdvantageEstimator:
-        if name in _REGISTRY:
-            raise ValueError(f"advantage estimator {name!r} is already registered (by {_REGISTRY[name]!r})")
-        _REGISTRY[name] = fn
-        return fn
-
-    return wrap
+    return ADVANTAGE_ESTIMATORS.register(name)
 
 
 def registered_advantages() -> list[str]:
     """Names of all registered estimators, sorted."""
-    return sorted(_REGISTRY)
+    return ADVANTAGE_ESTIMATORS.names()
 
 
 def get_advantage_estimator(name: str) -> AdvantageEstimator:
     """The estimator registered under ``name``; :class:`UnknownEstimatorError` lists the others."""
-    try:
-        return _REGISTRY[name]
-    except KeyError:
-        raise UnknownEstimatorError(
-            f"unknown advantage estimator {name!r}; registered: {', '.join(registered_advantages())}"
-        ) from None
+    return ADVANTAGE_ESTIMATORS.get(name)
 
 
 def compute_advantages(

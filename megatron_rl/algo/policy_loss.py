@@ -33,21 +33,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 
 from megatron_rl.algo.config import AlgorithmConfig
-from megatron_rl.algo.token_weights import (
-    advantage_reweight,
-    lopti_split,
-    stapo_candidates,
-    stapo_entropy_threshold,
-    stapo_spurious_mask,
-    tr_grpo_weight,
-)
+from megatron_rl.algo.methods import check_phase, enabled_methods, pair, select_tokens
 
-LoptiPhase = Literal["low", "high"]
 LOG_RATIO_CLAMP = 20.0
 
 
@@ -116,7 +107,8 @@ def ppo_clip_loss(
 def prepare_advantages(
     advantages: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor, config: AlgorithmConfig
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Once per RL step, before any update: apply Advantage Reweighting to token advantages.
+    """Once per RL step, before any update: every enabled method's advantage reweighting
+    (Advantage Reweighting), in composition order.
 
     Args:
         advantages: ``[*S]`` token advantages (response advantage broadcast to its tokens).
@@ -124,13 +116,14 @@ def prepare_advantages(
         mask: ``[*S]`` valid response tokens.
 
     Returns:
-        ``(advantages [*S], metrics)``; unchanged advantages when AR is off.
+        ``(advantages [*S], metrics)``; unchanged advantages when no method reweights.
     """
     valid = mask.bool()
-    adv, weight = advantage_reweight(advantages, old_logp, valid, config.ar.alpha)
-    n = valid.sum().to(torch.float64)
-    metrics = {"loss/ar/weight_mean": _pair(weight.to(torch.float64)[valid].sum(), n)} if config.ar.enabled else {}
-    return adv, metrics
+    metrics: dict[str, torch.Tensor] = {}
+    for method in enabled_methods(config):
+        advantages, m = method.reweight_advantages(advantages, old_logp, valid, config)
+        metrics.update(m)
+    return advantages, metrics
 
 
 def compute_policy_loss(
@@ -142,8 +135,8 @@ def compute_policy_loss(
     *,
     ref_logp: torch.Tensor | None = None,
     entropy: torch.Tensor | None = None,
-    lopti_phase: LoptiPhase | None = None,
-    stapo_threshold: torch.Tensor | float | None = None,
+    phase: str | None = None,
+    prepass: Mapping[str, torch.Tensor] | None = None,
     seq_index: torch.Tensor | None = None,
 ) -> LossOutput:
     """Token-weighted policy loss of one micro-batch, as a sum plus its normaliser share.
@@ -151,18 +144,20 @@ def compute_policy_loss(
     Args:
         logp: ``[*S]`` current-policy log-probs of the target tokens (differentiable).
         old_logp: ``[*S]`` old-policy log-probs (constant).
-        advantages: ``[*S]`` token advantages, AR already applied (:func:`prepare_advantages`).
+        advantages: ``[*S]`` token advantages, reweighting already applied (:func:`prepare_advantages`).
         mask: ``[*S]`` valid response tokens (bool or 0/1). Values at invalid positions
             are never used, so padding may hold anything, NaN included.
         config: the ``algorithm`` config.
         ref_logp: ``[*S]`` reference log-probs; required when ``kl_coef > 0``.
         entropy: ``[*S]`` current full-distribution entropy; required by STAPO and the
             entropy bonus (differentiable for the bonus).
-        lopti_phase: ``"low"``/``"high"`` when Lopti is on: only that set's tokens contribute
-            (PG, KL and entropy all masked to it); ``None`` otherwise.
-        stapo_threshold: STAPO ``tau_h`` computed over the whole mini-batch
-            (:func:`stapo_entropy_threshold` with the DP group); ``None`` computes it from this
-            call's tokens, exact only when the call sees the whole mini-batch.
+        phase: the update phase this call belongs to (``methods.update_phases``: Lopti's
+            ``"low"``/``"high"``); only that phase's tokens contribute (PG, KL and entropy
+            all masked to them); ``None`` when no enabled method has phases.
+        prepass: mini-batch statistics from ``methods.prepass_statistics`` (STAPO's
+            entropy threshold over the whole mini-batch and the DP group); ``None``
+            computes them from this call's tokens, exact only when the call sees the
+            whole mini-batch.
         seq_index: ``[*S]`` integer sequence id per token (packed layouts); ``None`` treats
             each row of the last dimension as one sequence. Only the seq-mean modes use it.
 
@@ -175,50 +170,33 @@ def compute_policy_loss(
             "logp, old_logp, advantages and mask must share one shape; got "
             f"{tuple(logp.shape)}, {tuple(old_logp.shape)}, {tuple(advantages.shape)}, {tuple(mask.shape)}"
         )
-    valid = mask.bool()
+    check_phase(config, phase)
+    # Sanitised inputs, and which tokens contribute to the numerator (``active``) and to the
+    # denominator (``counted``) after every method's selection (Lopti phase, STAPO mask).
+    tokens = select_tokens(
+        logp, old_logp, advantages, mask, config, phase=phase, entropy=entropy, prepass=prepass
+    )  # fmt: skip
+    valid, active, counted, metrics = tokens.valid, tokens.active, tokens.counted, tokens.metrics
+    logp_v, old_v, adv_v, entropy_v = tokens.logp, tokens.old_logp, tokens.advantages, tokens.entropy
     zeros = torch.zeros_like(logp)
-    # Sanitise padding first: downstream exp/log of garbage would give 0 * inf = NaN gradients.
-    logp_v = torch.where(valid, logp, zeros)
-    old_v = torch.where(valid, old_logp.detach().to(logp.dtype), zeros)
-    adv_v = torch.where(valid, advantages.detach().to(logp.dtype), zeros)
-    num_valid = valid.sum().to(torch.float64)
-    metrics: dict[str, torch.Tensor] = {}
 
-    # Which tokens contribute to the numerator (``active``) and to the denominator (``counted``).
-    active, counted = valid, valid
-    if config.lopti.enabled:
-        if lopti_phase not in ("low", "high"):
-            raise ValueError(f"Lopti is enabled: lopti_phase must be 'low' or 'high', got {lopti_phase!r}")
-        low, high = lopti_split(old_v, valid, config.lopti.eta)
-        active = low if lopti_phase == "low" else high
-        counted = valid if config.lopti.denominator == "all" else active
-        metrics["loss/lopti/low_frac"] = _pair(low.sum(), num_valid)
-    elif lopti_phase is not None:
-        raise ValueError(f"lopti_phase={lopti_phase!r} given but algorithm.lopti.enabled is false")
-
-    entropy_v = None
-    if entropy is not None:
-        entropy_v = torch.where(valid, entropy, zeros)
-        metrics["loss/entropy"] = _pair(entropy_v.detach().to(torch.float64)[valid].sum(), num_valid)
-
-    if config.stapo.enabled:
-        if entropy_v is None:
-            raise ValueError("STAPO needs the current-policy entropy: pass entropy=")
-        cand = stapo_candidates(adv_v, logp_v, active, config.stapo.tau_p)
-        if stapo_threshold is None:
-            stapo_threshold = stapo_entropy_threshold(entropy_v, cand, config.stapo.entropy_quantile)
-        spurious = stapo_spurious_mask(cand, entropy_v, stapo_threshold)
-        active, counted = active & ~spurious, counted & ~spurious
-        metrics["loss/stapo/masked_frac"] = _pair(spurious.sum(), num_valid)
-
-    tr = config.tr_grpo
-    weight = tr_grpo_weight(logp_v, tr) if tr.enabled else None
+    # Stop-gradient token weights, by where they apply (TR-GRPO).
+    ratio_w = loss_w = None
+    weight_metrics = []
+    for method in enabled_methods(config):
+        tw = method.token_weight(tokens, config)
+        if tw is None:
+            continue
+        weight_metrics.append((tw.metric, tw.weight))
+        if tw.placement == "ratio":
+            ratio_w = tw.weight if ratio_w is None else ratio_w * tw.weight
+        else:
+            loss_w = tw.weight if loss_w is None else loss_w * tw.weight
 
     log_ratio = torch.clamp(logp_v - old_v, min=-LOG_RATIO_CLAMP, max=LOG_RATIO_CLAMP)
     ratio = torch.exp(log_ratio)
-    in_ratio = weight is not None and tr.placement == "ratio"
     pg, flags = ppo_clip_loss(
-        weight * ratio if in_ratio else ratio,
+        ratio if ratio_w is None else ratio_w * ratio,
         adv_v,
         eps_low=config.eps_low,
         eps_high=config.eps_high,
@@ -230,10 +208,10 @@ def compute_policy_loss(
             raise ValueError("kl_coef > 0 needs the reference log-probs: pass ref_logp=")
         ref_v = torch.where(valid, ref_logp.detach().to(logp.dtype), zeros)
         kl = kl_penalty(logp_v, ref_v, config.kl_estimator)
-        per_token = per_token + config.kl_coef * (weight * kl if in_ratio else kl)
+        per_token = per_token + config.kl_coef * (kl if ratio_w is None else ratio_w * kl)
         metrics["loss/ref_kl"] = _masked_pair(kl, active)
-    if weight is not None and tr.placement == "loss":
-        per_token = weight * per_token
+    if loss_w is not None:
+        per_token = loss_w * per_token
     if config.entropy_coef > 0.0:
         if entropy_v is None:
             raise ValueError("entropy_coef > 0 needs the current-policy entropy: pass entropy=")
@@ -245,12 +223,12 @@ def compute_policy_loss(
     n_active = active.sum().to(torch.float64)
     metrics["loss/pg_loss"] = _masked_pair(pg, active)
     for name in ("clip_low", "clip_high", "clip_dual"):
-        metrics[f"loss/clip_frac/{name[5:]}"] = _pair((flags[name] & active).sum(), n_active)
+        metrics[f"loss/clip_frac/{name[5:]}"] = pair((flags[name] & active).sum(), n_active)
     # k3 estimate of KL(old || current) on the tokens being trained: r - 1 - log r >= 0.
     metrics["loss/approx_kl"] = _masked_pair(ratio - 1.0 - log_ratio, active)
-    if weight is not None:
-        metrics["loss/tr_grpo/weight_mean"] = _masked_pair(weight, active)
-    metrics["loss/active_tokens"] = _pair(n_active, torch.tensor(1.0, dtype=torch.float64))
+    for name, weight in weight_metrics:
+        metrics[name] = _masked_pair(weight, active)
+    metrics["loss/active_tokens"] = pair(n_active, torch.tensor(1.0, dtype=torch.float64))
     return LossOutput(loss_sum=loss_sum, count=count, metrics=metrics)
 
 
@@ -294,22 +272,16 @@ def _sequence_ids(mask: torch.Tensor, seq_index: torch.Tensor | None) -> tuple[t
     return inverse.reshape(mask.shape), int(uniq.numel())
 
 
-def _pair(total: torch.Tensor | float, count: torch.Tensor | float) -> torch.Tensor:
-    return torch.stack(
-        [torch.as_tensor(total, dtype=torch.float64).detach(), torch.as_tensor(count, dtype=torch.float64)]
-    )
-
-
 def _masked_pair(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    return _pair(values.detach().to(torch.float64)[mask].sum(), mask.sum())
+    return pair(values.detach().to(torch.float64)[mask].sum(), mask.sum())
 
 
 def merge_metrics(parts: Iterable[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """Sum ``{name: [sum, count]}`` metric dicts (micro-batches; then all-reduce over DP)."""
     out: dict[str, torch.Tensor] = {}
     for part in parts:
-        for name, pair in part.items():
-            out[name] = out[name] + pair if name in out else pair.clone()
+        for name, value in part.items():
+            out[name] = out[name] + value if name in out else value.clone()
     return out
 
 
@@ -319,11 +291,11 @@ def finalize_metrics(merged: Mapping[str, torch.Tensor]) -> dict[str, float]:
     ``loss/active_tokens`` keeps its raw sum (a count, not a mean).
     """
     out: dict[str, float] = {}
-    for name, pair in merged.items():
+    for name, value in merged.items():
         if name == "loss/active_tokens":
-            out[name] = float(pair[0])
-        elif float(pair[1]) > 0:
-            out[name] = float(pair[0] / pair[1])
+            out[name] = float(value[0])
+        elif float(value[1]) > 0:
+            out[name] = float(value[0] / value[1])
     return out
 
 
@@ -335,5 +307,4 @@ __all__ = [
     "merge_metrics",
     "ppo_clip_loss",
     "prepare_advantages",
-    "stapo_entropy_threshold",
 ]

@@ -1,35 +1,30 @@
-"""Prompt datasets: the K&K puzzle generator, the toy task, loaders and prompt templates.
+"""Prompt datasets: loaders, the prompt templates and encoder, and the prompt order.
 
-- :mod:`~megatron_rl.data.kk`: Knights-and-Knaves puzzles with unique solutions, split
-  into train/test per number of people.
-- :mod:`~megatron_rl.data.toy`: the CPU demo's copy-the-digits task and its tokenizer.
 - :mod:`~megatron_rl.data.loaders`: ``.jsonl`` / ``.parquet`` reading (errors name file,
   row and field) and writing.
-- :mod:`~megatron_rl.data.prompts`: ``chat`` / ``literal`` / ``none`` prompt rendering.
-- :mod:`~megatron_rl.data.cli`: ``megatron-rl generate-data``.
+- :mod:`~megatron_rl.data.prompts`: ``chat`` / ``literal`` / ``none`` prompt rendering and
+  :class:`PromptEncoder` (rendered texts and token ids of rows).
+- :mod:`~megatron_rl.data.sampler`: the seeded, resumable prompt order.
 
-Nothing here imports torch; transformers is imported only to build the toy tokenizer.
-See ``docs/data_and_rewards.md``.
+What is particular to a task (its generator, prompt style and reward) lives in
+:mod:`megatron_rl.tasks`, and ``megatron-rl generate-data`` in
+:mod:`megatron_rl.commands.generate_data`; this package imports neither. Nothing here
+imports torch. See ``docs/data_and_rewards.md``.
 """
 
 from megatron_rl.data.loaders import DataError, PromptRow, load_rows, parquet_available, write_jsonl, write_parquet
-from megatron_rl.data.prompts import (
-    KK_STYLE,
-    KK_SYSTEM_PROMPT,
-    PromptStyle,
-    prompt_style_for,
-    render_prompt,
-)
+from megatron_rl.data.prompts import PLAIN_STYLE, PromptEncoder, PromptStyle, render_prompt
+from megatron_rl.data.sampler import PromptSampler
 
 __all__ = [
     "DataError",
-    "KK_STYLE",
-    "KK_SYSTEM_PROMPT",
+    "PLAIN_STYLE",
+    "PromptEncoder",
     "PromptRow",
+    "PromptSampler",
     "PromptStyle",
     "load_rows",
     "parquet_available",
-    "prompt_style_for",
     "render_prompt",
     "write_jsonl",
     "write_parquet",

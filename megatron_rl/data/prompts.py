@@ -2,7 +2,8 @@
 
 A task's prompt has two parts besides the question: an optional system prompt and an
 optional pre-fill that starts the assistant turn (K&K pre-fills ``<think>``). These are
-the task's :class:`PromptStyle`, looked up by reward name (:func:`prompt_style_for`).
+the task's :class:`PromptStyle`, which comes from the task (``Task.prompt_style`` in
+:mod:`megatron_rl.tasks`); this module knows no task.
 
 - ``chat``: the question as a user message (after the system message, if any) in the
   tokenizer's chat template with ``add_generation_prompt=True``, then the pre-fill. A
@@ -24,12 +25,18 @@ the task's :class:`PromptStyle`, looked up by reward name (:func:`prompt_style_f
 
 The K&K reward reads whether ``<think>`` was pre-filled from the rendered prompt, so a
 prompt rendered here and scored by ``kk_logic`` agree by construction.
+
+:class:`PromptEncoder` renders rows and tokenises them (what the trainer feeds the
+rollout engines), checking each prompt's length.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
+
+from megatron_rl.data.loaders import DataError, PromptRow
 
 PromptTemplate = Literal["chat", "literal", "none"]
 
@@ -45,35 +52,8 @@ class PromptStyle:
     """Text that starts the assistant turn (the model continues from it)."""
 
 
-KK_SYSTEM_PROMPT = (
-    "You are a helpful assistant. First reason about the problem step by step, then give the user "
-    "your answer. Put the reasoning inside <think> </think> tags and the answer inside <answer> </answer> "
-    "tags, i.e. <think> reasoning here </think> <answer> answer here </answer>. The user asks you to solve "
-    "a logic puzzle. When you reach a conclusion, state the identity of every character inside the "
-    "<answer> </answer> tags, one per line, e.g. <answer> (1) Zoey is a knight\n(2) ... </answer>."
-)
-"""The K&K system prompt: reasoning in ``<think>``, the answer in ``<answer>`` as numbered
-``(k) Name is a knight/knave`` lines (the format the ``kk_logic`` reward parses). Our own
-wording of the instruction the K&K papers use; see docs/data_and_rewards.md."""
-
-KK_STYLE = PromptStyle(system_prompt=KK_SYSTEM_PROMPT, assistant_prefill="<think>")
-"""K&K: the reasoning/answer-tag system prompt, assistant turn pre-filled with ``<think>``."""
-
-MATH_STYLE = PromptStyle(
-    system_prompt="Please reason step by step, and put your final answer within \\boxed{}."
-)  # fmt: skip
-"""Math: the usual Qwen-math instruction, so that the ``math`` reward finds a ``\\boxed{}``."""
-
 PLAIN_STYLE = PromptStyle()
-"""No system prompt, no pre-fill (the toy task, user rewards)."""
-
-TASK_PROMPT_STYLES: dict[str, PromptStyle] = {"kk_logic": KK_STYLE, "math": MATH_STYLE, "toy_copy": PLAIN_STYLE}
-"""Prompt style of each built-in reward; any other reward gets :data:`PLAIN_STYLE`."""
-
-
-def prompt_style_for(reward: str) -> PromptStyle:
-    """The prompt style that goes with reward ``reward`` (config ``data.reward``)."""
-    return TASK_PROMPT_STYLES.get(reward, PLAIN_STYLE)
+"""No system prompt, no pre-fill (the toy task, user reward functions)."""
 
 
 def literal_chat_text(question: str, style: PromptStyle) -> str:
@@ -102,3 +82,43 @@ def render_prompt(
     if template in ("chat", "literal"):
         return literal_chat_text(question, style)
     raise ValueError(f"unknown prompt template {template!r}; expected 'chat', 'literal' or 'none'")
+
+
+class PromptEncoder:
+    """Rendered prompt texts and token ids for data rows.
+
+    Each row's prompt is rendered with :func:`render_prompt` (``template``, ``style``, the
+    tokenizer's chat template) and tokenised without special tokens (the template already
+    holds them). A prompt that tokenises to nothing, or to more than ``max_prompt_tokens``
+    tokens, raises :class:`~megatron_rl.data.loaders.DataError` naming its file, row and
+    the field ``prompt``.
+    """
+
+    def __init__(self, tokenizer: Any, *, template: PromptTemplate, style: PromptStyle, max_prompt_tokens: int):
+        self.tokenizer = tokenizer
+        self.template = template
+        self.style = style
+        self.max_prompt_tokens = max_prompt_tokens
+
+    def encode(self, rows: Sequence[PromptRow]) -> tuple[list[str], list[list[int]]]:
+        """Rendered prompt texts and their token ids, one each per row, in order."""
+        texts, ids = [], []
+        for row in rows:
+            text = render_prompt(row.prompt, template=self.template, style=self.style, tokenizer=self.tokenizer)
+            tokens = self.tokenizer.encode(text, add_special_tokens=False)
+            if not tokens:
+                raise DataError("the prompt is empty after tokenisation", file=row.file, row=row.row, field="prompt")
+            if len(tokens) > self.max_prompt_tokens:
+                # Named as the config field that sets the limit: that is what a user changes.
+                raise DataError(
+                    f"the prompt has {len(tokens)} tokens, more than rollout.max_prompt_tokens="
+                    f"{self.max_prompt_tokens}",
+                    file=row.file, row=row.row, field="prompt",
+                )  # fmt: skip
+            texts.append(text)
+            ids.append(tokens)
+        return texts, ids
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        """The text of generated ``token_ids``, special tokens (end of sequence, padding) left out."""
+        return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)

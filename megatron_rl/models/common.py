@@ -365,6 +365,9 @@ class DecoderAdapter:
     """Whether q/k/v projections carry biases, from the config dict."""
     checks: tuple[Callable[[Mapping[str, Any]], None], ...] = ()
     """Config checks raising :class:`ConversionError` for unsupported features."""
+    architecture: str | None = None
+    """The HF ``architectures`` class name of this ``model_type`` (``Qwen2ForCausalLM``), for
+    a ``config.json`` written without one; ``None`` when the adapter does not say."""
 
     hf_to_mcore = staticmethod(hf_to_mcore)
     mcore_to_hf = staticmethod(mcore_to_hf)

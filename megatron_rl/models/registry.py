@@ -3,40 +3,59 @@
 Dispatch is by exact ``model_type`` (never by substrings of a model name). The
 built-in architectures register themselves when ``megatron_rl.models`` is imported;
 an extra architecture registers the same way, with no special case for built-ins.
+:data:`ADAPTERS` is a :class:`~megatron_rl.configlib.Registry`; an unknown name raises
+:class:`UnknownModelTypeError`, which is both a :class:`ConversionError` and a
+:class:`~megatron_rl.configlib.UnknownNameError`.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from megatron_rl.configlib import Registry, UnknownNameError
 from megatron_rl.models.common import ConversionError, DecoderAdapter, config_dict
 
-__all__ = ["register_adapter", "get_adapter", "adapter_for_config", "supported_model_types"]
+__all__ = [
+    "ADAPTERS",
+    "UnknownModelTypeError",
+    "register_adapter",
+    "get_adapter",
+    "adapter_for_config",
+    "supported_model_types",
+]
 
-_ADAPTERS: dict[str, DecoderAdapter] = {}
+
+class UnknownModelTypeError(ConversionError, UnknownNameError):
+    """No adapter is registered for the ``model_type``; the message lists the supported ones."""
+
+
+ADAPTERS: Registry[DecoderAdapter] = Registry(
+    "model type",
+    unknown_error=UnknownModelTypeError,
+    unknown_hint="(an adapter registers with megatron_rl.models.register_adapter)",
+)
+"""Adapters by HF ``model_type``."""
 
 
 def register_adapter(adapter: DecoderAdapter) -> DecoderAdapter:
     """Register ``adapter`` under ``adapter.model_type``; a duplicate name raises ValueError."""
-    if adapter.model_type in _ADAPTERS:
-        raise ValueError(f"an adapter for model_type '{adapter.model_type}' is already registered")
-    _ADAPTERS[adapter.model_type] = adapter
-    return adapter
+    return ADAPTERS.register(adapter.model_type, adapter)
 
 
 def supported_model_types() -> list[str]:
     """Registered ``model_type`` names, sorted."""
-    return sorted(_ADAPTERS)
+    return ADAPTERS.names()
 
 
 def get_adapter(model_type: str) -> DecoderAdapter:
-    """The adapter for an HF ``model_type``; unknown types raise ConversionError listing the supported ones."""
-    try:
-        return _ADAPTERS[model_type]
-    except KeyError:
-        raise ConversionError(
+    """The adapter for an HF ``model_type``; unknown types raise :class:`UnknownModelTypeError`
+    (a :class:`ConversionError`) listing the supported ones."""
+    if model_type not in ADAPTERS:
+        # Worded for conversion, where the type comes from a checkpoint's config.json.
+        raise UnknownModelTypeError(
             f"unsupported model_type {model_type!r}; supported: {', '.join(supported_model_types())}"
-        ) from None
+        )
+    return ADAPTERS.get(model_type)
 
 
 def adapter_for_config(hf_config: Any) -> DecoderAdapter:

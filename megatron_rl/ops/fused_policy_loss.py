@@ -24,6 +24,7 @@ hidden ``[*S, H]``, lm-head weight ``[V_local, H]``.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.algo.config import AlgorithmConfig
-from megatron_rl.algo.policy_loss import LossOutput, LoptiPhase, compute_policy_loss
+from megatron_rl.algo.policy_loss import LossOutput, compute_policy_loss
 from megatron_rl.ops.vocab_parallel import (
     ChunkWorkspace,
     SoftmaxStats,
@@ -83,8 +84,10 @@ class LossInputs:
     advantages: torch.Tensor
     mask: torch.Tensor
     ref_logp: torch.Tensor | None = None
-    lopti_phase: LoptiPhase | None = None
-    stapo_threshold: torch.Tensor | float | None = None
+    phase: str | None = None
+    """The update phase (``algo.update_phases``), ``None`` without phases."""
+    prepass: Mapping[str, torch.Tensor] | None = None
+    """Mini-batch statistics of the pre-pass (``algo.prepass_statistics``), if any."""
     seq_index: torch.Tensor | None = None
 
 
@@ -191,8 +194,8 @@ def _loss_on_tokens(
             config,
             ref_logp=None if inputs.ref_logp is None else inputs.ref_logp.to(logp.dtype),
             entropy=entropy,
-            lopti_phase=inputs.lopti_phase,
-            stapo_threshold=inputs.stapo_threshold,
+            phase=inputs.phase,
+            prepass=inputs.prepass,
             seq_index=inputs.seq_index,
         )
         grad_logp = grad_entropy = None
@@ -374,8 +377,8 @@ def fused_policy_loss(
     Args:
         logits: ``[*S, V_local]`` this rank's vocabulary shard; any float dtype (the math
             runs in float32 per chunk), differentiable.
-        inputs: targets, old/ref log-probs, advantages (AR applied), mask, Lopti phase,
-            STAPO threshold, sequence ids; all ``[*S]``.
+        inputs: targets, old/ref log-probs, advantages (reweighting applied), mask, the
+            update phase, pre-pass statistics, sequence ids; per-token tensors ``[*S]``.
         config: the ``algorithm`` config (the loss math is ``algo.compute_policy_loss``).
         options: temperature, TP group, vocab padding, chunk size.
 

@@ -1,16 +1,22 @@
-"""Reward functions (registry, K&K, math, toy) and time-limited batch scoring.
+"""Reward functions: the registry, user functions by import path, math-verify scoring, and
+time-limited batch scoring.
 
-Importing this package registers the built-ins: ``kk_logic`` (Logic-RL's K&K reward),
-``math`` (math-verify on the last ``\\boxed{}``) and ``toy_copy`` (the CPU demo task).
-It imports neither torch nor math-verify (the ``math`` reward imports it when first
-called), so reward worker processes start fast. See ``docs/data_and_rewards.md``.
+The built-in rewards live with their tasks (:mod:`megatron_rl.tasks`): ``kk_logic``
+(Logic-RL's K&K reward), ``math`` (math-verify on the last ``\\boxed{}``, scored by
+:mod:`~megatron_rl.rewards.math_verify`) and ``toy_copy`` (the CPU demo task). They
+register in :data:`~megatron_rl.rewards.registry.REWARDS` through the same
+:func:`register_reward` as user rewards, when ``megatron_rl.tasks`` is imported; this
+package never imports the tasks (they depend on it, not the other way round). So resolve a
+built-in name with ``from megatron_rl.tasks import get_reward`` (this package's
+:func:`get_reward`, re-exported), or import ``megatron_rl.tasks`` first.
+
+It imports neither torch nor math-verify (math-verify is imported when first called), so
+reward worker processes start fast. See ``docs/data_and_rewards.md``.
 """
 
-from megatron_rl.rewards import kk_logic as _kk_logic  # noqa: F401  (registers kk_logic)
-from megatron_rl.rewards import math as _math  # noqa: F401  (registers math)
-from megatron_rl.rewards import toy as _toy  # noqa: F401  (registers toy_copy)
 from megatron_rl.rewards.pool import DEFAULT_TIMEOUT_S, RewardPool, score_batch, summarize
 from megatron_rl.rewards.registry import (
+    REWARDS,
     RewardFunction,
     RewardLoadError,
     RewardResult,
@@ -18,12 +24,15 @@ from megatron_rl.rewards.registry import (
     as_reward,
     call_reward,
     get_reward,
+    import_by_path,
     register_reward,
     registered_rewards,
+    reward_from_callable,
 )
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
+    "REWARDS",
     "RewardFunction",
     "RewardLoadError",
     "RewardPool",
@@ -32,8 +41,10 @@ __all__ = [
     "as_reward",
     "call_reward",
     "get_reward",
+    "import_by_path",
     "register_reward",
     "registered_rewards",
+    "reward_from_callable",
     "score_batch",
     "summarize",
 ]

@@ -113,6 +113,8 @@ class RewardPool:
 
     Use as a context manager (or call :meth:`close`)::
 
+        from megatron_rl.tasks import get_reward  # the built-in names resolve once tasks are imported
+
         with RewardPool(get_reward("math"), num_workers=4, timeout_s=10) as pool:
             results = pool.score(responses, ground_truths, prompts)
     """

@@ -11,9 +11,12 @@ ground_truth)``, so the simplest user reward is a two-argument function returnin
 
 Names resolve in one of two ways (:func:`get_reward`):
 
-- a registered name: ``@register_reward("name")``; built-ins (``kk_logic``, ``math``,
-  ``toy_copy``) register through the same decorator, a second registration raises, and
-  an unknown name raises :class:`UnknownRewardError` listing the registered ones;
+- a registered name: ``@register_reward("name")`` adds to :data:`REWARDS` (a
+  :class:`~megatron_rl.configlib.Registry`); built-ins (``kk_logic``, ``math``,
+  ``toy_copy``) register through the same decorator from their task modules in
+  :mod:`megatron_rl.tasks`, so they are registered once ``megatron_rl.tasks`` is imported
+  (this package never imports it). A second registration raises, and an unknown name
+  raises :class:`UnknownRewardError` listing the registered ones;
 - ``package.module:function``: imported by path; :class:`RewardLoadError` names the spec
   when the import fails or the attribute is missing or not callable.
 
@@ -36,6 +39,8 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+from megatron_rl.configlib import Registry, UnknownNameError
 
 # How much of an exception message is kept in a RewardResult (responses can be long,
 # and an exception message may quote the whole response).
@@ -63,11 +68,8 @@ class RewardResult:
     """Function-specific details for diagnostics (e.g. ``format_ok`` for K&K)."""
 
 
-class UnknownRewardError(KeyError):
+class UnknownRewardError(UnknownNameError):
     """Raised for a name no reward is registered under; lists the registered ones."""
-
-    def __str__(self) -> str:  # KeyError would quote the whole message
-        return str(self.args[0])
 
 
 class RewardLoadError(ValueError):
@@ -105,7 +107,10 @@ class RewardFunction:
         return self.fn(response, ground_truth)
 
 
-_REGISTRY: dict[str, RewardFunction] = {}
+REWARDS: Registry[RewardFunction] = Registry(
+    "reward", unknown_error=UnknownRewardError, unknown_hint="(or give a user function as 'package.module:function')"
+)
+"""Registered reward functions by name (filled by :func:`register_reward`)."""
 
 
 def _accepts_prompt(fn: Callable[..., Any], name: str) -> bool:
@@ -143,14 +148,15 @@ def register_reward(
         raise ValueError(f"reward {name!r}: failure_score must be finite, got {failure_score!r}")
 
     def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
-        if name in _REGISTRY:
-            raise ValueError(f"reward {name!r} is already registered (by {_REGISTRY[name].fn!r})")
-        _REGISTRY[name] = RewardFunction(
-            name=name,
-            fn=fn,
-            failure_score=float(failure_score),
-            success_score=float(success_score),
-            accepts_prompt=_accepts_prompt(fn, name),
+        REWARDS.register(
+            name,
+            RewardFunction(
+                name=name,
+                fn=fn,
+                failure_score=float(failure_score),
+                success_score=float(success_score),
+                accepts_prompt=_accepts_prompt(fn, name),
+            ),
         )
         return fn
 
@@ -159,10 +165,17 @@ def register_reward(
 
 def registered_rewards() -> list[str]:
     """Names of all registered reward functions, sorted."""
-    return sorted(_REGISTRY)
+    return REWARDS.names()
 
 
-def _load_by_path(spec: str) -> RewardFunction:
+def import_by_path(spec: str) -> Any:
+    """The object a ``package.module:attr`` spec names (``attr`` may be dotted, for
+    ``module:Class.method``).
+
+    Raises:
+        RewardLoadError: naming the spec, when it is malformed, the module does not import,
+            or the attribute is missing.
+    """
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr or ":" in attr:
         raise RewardLoadError(f"reward {spec!r}: a user reward is written 'package.module:function'")
@@ -176,7 +189,20 @@ def _load_by_path(spec: str) -> RewardFunction:
             obj = getattr(obj, part)
         except AttributeError:
             raise RewardLoadError(f"reward {spec!r}: module {module_name!r} has no attribute {attr!r}") from None
+    return obj
+
+
+def reward_from_callable(spec: str, obj: Any) -> RewardFunction:
+    """The :class:`RewardFunction` of user object ``obj`` loaded from ``spec``: its
+    ``failure_score`` / ``success_score`` attributes if set (else 0.0 / 1.0), called with
+    the arguments its signature takes.
+
+    Raises:
+        RewardLoadError: naming the spec, when ``obj`` is not callable, a score attribute is
+            not a finite number, or the signature cannot take ``(response, ground_truth)``.
+    """
     if not callable(obj):
+        attr = spec.partition(":")[2]
         raise RewardLoadError(f"reward {spec!r}: {attr!r} is not callable (it is a {type(obj).__name__})")
     failure_score = getattr(obj, "failure_score", 0.0)
     if not isinstance(failure_score, (int, float)) or not math.isfinite(failure_score):
@@ -194,21 +220,18 @@ def _load_by_path(spec: str) -> RewardFunction:
 
 
 def get_reward(name: str) -> RewardFunction:
-    """Resolve a registered name or a ``module:function`` spec (config ``data.reward``).
+    """Resolve a registered name or a ``module:function`` spec.
+
+    The built-in names are registered once :mod:`megatron_rl.tasks` is imported (which
+    also re-exports this function, for callers that want them loaded).
 
     Raises:
         UnknownRewardError: no reward is registered under ``name`` (lists the registered ones).
         RewardLoadError: a ``module:function`` spec that cannot be imported or is not callable.
     """
     if ":" in name:
-        return _load_by_path(name)
-    try:
-        return _REGISTRY[name]
-    except KeyError:
-        raise UnknownRewardError(
-            f"unknown reward {name!r}; registered: {', '.join(registered_rewards())} "
-            "(or give a user function as 'package.module:function')"
-        ) from None
+        return reward_from_callable(name, import_by_path(name))
+    return REWARDS.get(name)
 
 
 def as_reward(obj: RewardFunction | str | Callable[..., Any]) -> RewardFunction:

@@ -43,18 +43,16 @@ The contract, once, for every engine:
 from __future__ import annotations
 
 import abc
-import hashlib
-import secrets
-import struct
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal
 
 import torch
 
-if TYPE_CHECKING:
-    from megatron_rl.config import RolloutConfig
-    from megatron_rl.rollout.weight_sync import WeightBucket
+from megatron_rl.config.rollout import RolloutConfig, SamplingSettings
+from megatron_rl.configlib import require_range
+from megatron_rl.seeding import derive_seed, prompt_seeds_for
+from megatron_rl.weight_buckets import WeightBucket, unpack_bucket
 
 FinishReason = Literal["stop", "length"]
 
@@ -70,48 +68,20 @@ __all__ = [
     "prompt_seeds_for",
 ]
 
-_SEED_MASK = (1 << 63) - 1
 
+@dataclass(kw_only=True)
+class SamplingParams(SamplingSettings):
+    """How to sample completions; one value for every prompt of a ``generate`` call.
 
-def derive_seed(base: int, *keys: int) -> int:
-    """A 63-bit seed that depends on ``base`` and ``keys`` only (stable across processes).
-
-    Python's ``hash`` is salted per process for str/bytes, so a keyed BLAKE2 digest is
-    used instead; any change of ``base`` or of a key gives an unrelated stream.
+    The sampling settings themselves (temperature, top-p, top-k, max new tokens) are
+    declared once in :class:`~megatron_rl.config.rollout.SamplingSettings`, which the
+    run's ``rollout`` section extends too; this request adds the group size, the stop
+    tokens and the seed. Treat an instance as immutable (``dataclasses.replace`` makes
+    variants, as the evaluation does).
     """
-    payload = struct.pack(f"<{1 + len(keys)}q", base & _SEED_MASK, *(k & _SEED_MASK for k in keys))
-    return int.from_bytes(hashlib.blake2b(payload, digest_size=8).digest(), "little") & _SEED_MASK
-
-
-def prompt_seeds_for(seed: int | None, indices: Iterable[int]) -> list[int]:
-    """Per-prompt seeds for prompts at positions ``indices`` of a request.
-
-    ``seed=None`` draws a fresh base seed from the OS, so repeated calls differ.
-    """
-    if seed is None:
-        seed = secrets.randbits(63)
-    return [derive_seed(seed, i) for i in indices]
-
-
-@dataclass(kw_only=True, frozen=True)
-class SamplingParams:
-    """How to sample completions; one value for every prompt of a ``generate`` call."""
 
     n: int = 1
     """Completions per prompt (the GRPO group size); they are returned together."""
-
-    temperature: float = 1.0
-    """Softmax temperature (> 0); 0 means greedy decoding (log-probs then at T = 1)."""
-
-    top_p: float = 1.0
-    """Nucleus sampling: keep the smallest set of most likely tokens whose mass reaches
-    ``top_p`` (after top-k); 1 disables it."""
-
-    top_k: int = -1
-    """Sample among the ``top_k`` most likely tokens; -1 disables it."""
-
-    max_new_tokens: int = 64
-    """Most tokens generated per completion (finish reason ``"length"`` when reached)."""
 
     stop_token_ids: tuple[int, ...] = ()
     """Tokens that end a completion (finish reason ``"stop"``); the stop token is kept in
@@ -122,19 +92,11 @@ class SamplingParams:
     ``None`` draws a fresh seed per call (not reproducible)."""
 
     def __post_init__(self) -> None:
-        if self.n < 1:
-            raise ValueError(f"SamplingParams.n: got {self.n}; must be >= 1")
-        if not self.temperature >= 0.0:
-            raise ValueError(f"SamplingParams.temperature: got {self.temperature}; must be >= 0 (0 = greedy)")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"SamplingParams.top_p: got {self.top_p}; must be in (0, 1]")
-        if self.top_k != -1 and self.top_k < 1:
-            raise ValueError(f"SamplingParams.top_k: got {self.top_k}; must be -1 (disabled) or >= 1")
-        if self.max_new_tokens < 1:
-            raise ValueError(f"SamplingParams.max_new_tokens: got {self.max_new_tokens}; must be >= 1")
+        super().__post_init__()
+        require_range("n", self.n, ge=1)
         # Accept any iterable of ints (a list from YAML, a tokenizer's eos list) but store a
-        # tuple so the params stay hashable and immutable across Ray calls.
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        # tuple so the stop set cannot change under an engine.
+        self.stop_token_ids = tuple(int(t) for t in self.stop_token_ids)
 
     @property
     def greedy(self) -> bool:
@@ -146,15 +108,8 @@ class SamplingParams:
         cls, rollout: RolloutConfig, *, seed: int | None, stop_token_ids: Sequence[int] = ()
     ) -> SamplingParams:
         """The sampling settings of ``rollout`` (n = ``num_samples_per_prompt``)."""
-        return cls(
-            n=rollout.num_samples_per_prompt,
-            temperature=rollout.temperature,
-            top_p=rollout.top_p,
-            top_k=rollout.top_k,
-            max_new_tokens=rollout.max_new_tokens,
-            stop_token_ids=tuple(stop_token_ids),
-            seed=seed,
-        )
+        settings = {f.name: getattr(rollout, f.name) for f in fields(SamplingSettings)}
+        return cls(**settings, n=rollout.num_samples_per_prompt, stop_token_ids=tuple(stop_token_ids), seed=seed)
 
 
 @dataclass(kw_only=True)
@@ -242,13 +197,11 @@ class RolloutEngine(abc.ABC):
         """
 
     def load_bucket(self, bucket: WeightBucket, version: int) -> dict[str, int]:
-        """Load one bucket of a weight sync (``weight_sync.WeightBucket``).
+        """Load one bucket of a weight sync (:class:`~megatron_rl.weight_buckets.WeightBucket`).
 
         The default unpacks it into zero-copy views and calls :meth:`update_weights`; an
         engine with a faster path for the raw arrays may override it.
         """
-        from megatron_rl.rollout.weight_sync import unpack_bucket
-
         return self.update_weights(unpack_bucket(bucket), version)
 
     @abc.abstractmethod

@@ -1,12 +1,12 @@
-"""A pool of rollout engines running as Ray actors, with dispatch, retries and weight sync.
+"""A pool of rollout engines running as Ray actors: dispatch, retries, and the weight sync.
 
 ``RolloutPool.generate(prompts, params)`` splits the prompts into requests (contiguous
 prompt ranges, the ``n`` samples of a prompt always in the same request), sends each to
 the live engine with the least outstanding work (estimated tokens: prompt tokens plus
-``n * max_new_tokens`` per prompt, at most ``max_inflight_requests_per_engine`` requests
-queued per engine so a faster engine takes more of them), and returns the completions in
-prompt order. Prompt seeds are derived from a prompt's position in the whole call, so
-results do not depend on which engine served which prompt.
+``n * max_new_tokens`` per prompt, at most ``rollout.pool.max_inflight_requests_per_engine``
+requests queued per engine so a faster engine takes more of them), and returns the
+completions in prompt order. Prompt seeds are derived from a prompt's position in the
+whole call, so results do not depend on which engine served which prompt.
 
 Failures. Engines are Ray actors with ``max_restarts`` (Ray re-runs the constructor,
 which reloads the *initial* checkpoint) and ``max_task_retries=0``: the pool, not Ray,
@@ -18,197 +18,44 @@ the last sync's buckets, see ``keep_weights_for_restart``), and retries the requ
 once; a second failure, an engine that does not come back, or an exception raised by the
 engine code itself raises :class:`RolloutEngineError` naming the engine and the request.
 
-Weights. ``update_weights`` streams HF-named tensors to every engine through the object
-store (``weight_sync.py``); every completion carries the ``weight_version`` of the
-engine weights that produced it.
+Weights. :meth:`RolloutPool.sync` is the one weight-sync path (the trainer and the
+tests drive it alike): it takes the buckets of a whole model (``weight_buckets``), puts
+each in the object store once (or takes the ObjectRef a producer already put), has every
+engine load it, and keeps at most ``max_inflight_buckets`` loading at a time. Every
+completion carries the ``weight_version`` of the engine weights that produced it.
+
+Placement (which node, how many CPUs/GPUs per engine) comes from
+:mod:`megatron_rl.placement`; the pool only applies it.
 """
 
 from __future__ import annotations
 
 import collections
-import importlib
 import logging
 import math
-import os
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any
 
-import torch
+from megatron_rl.config.rollout import RolloutConfig
+from megatron_rl.placement import GroupPlacement
+from megatron_rl.rollout.base import (
+    Completion,
+    SamplingParams,
+    check_prompts,
+    prompt_seeds_for,
+)
+from megatron_rl.rollout.worker import EngineWorker
+from megatron_rl.weight_buckets import WeightBucket
 
-from megatron_rl.rollout.base import Completion, RolloutEngine, SamplingParams, check_prompts, prompt_seeds_for
-
-if TYPE_CHECKING:
-    import ray
-
-    from megatron_rl.config import RolloutConfig
-    from megatron_rl.rollout.weight_sync import WeightBucket
-
-__all__ = [
-    "EngineSpec", "EngineWorker", "PoolOptions", "RolloutEngineError", "RolloutPool", "build_engine",
-    "scheduling_strategies",
-]  # fmt: skip
+__all__ = ["RolloutEngineError", "RolloutPool"]
 
 logger = logging.getLogger(__name__)
-
-_BUILTIN_ENGINES = {
-    "hf": ("megatron_rl.rollout.hf_engine", "HFEngine"),
-    "vllm": ("megatron_rl.rollout.vllm_engine", "VLLMEngine"),
-}
 
 
 class RolloutEngineError(RuntimeError):
     """A rollout request or engine operation failed for good (the message names both)."""
-
-
-@dataclass(kw_only=True)
-class EngineSpec:
-    """What each engine of a pool is: its backend, its weights and its backend arguments."""
-
-    kind: str = "hf"
-    """``hf``, ``vllm``, or ``package.module:Class`` for a user :class:`RolloutEngine`
-    subclass (constructed as ``Class(model_path, name=..., **engine_args)``)."""
-
-    model_path: str
-    """HF model directory loaded by every engine (the initial weights, version 0)."""
-
-    engine_args: dict[str, Any] = field(default_factory=dict)
-    """Keyword arguments handed to the engine unchanged (``rollout.engine_args``)."""
-
-    def __post_init__(self) -> None:
-        if self.kind not in _BUILTIN_ENGINES:
-            module, sep, cls = self.kind.partition(":")
-            if not sep or not module or not cls:
-                raise ValueError(
-                    f"EngineSpec.kind: got {self.kind!r}; use 'hf', 'vllm' or 'package.module:Class'"
-                )
-
-
-def build_engine(spec: EngineSpec, *, name: str) -> RolloutEngine:
-    """Construct the engine ``spec`` describes (imports the backend lazily)."""
-    module_name, cls_name = _BUILTIN_ENGINES.get(spec.kind) or spec.kind.split(":", 1)
-    cls = getattr(importlib.import_module(module_name), cls_name)
-    if not (isinstance(cls, type) and issubclass(cls, RolloutEngine)):
-        raise TypeError(f"engine kind {spec.kind!r} is not a RolloutEngine subclass")
-    return cls(spec.model_path, name=name, **spec.engine_args)
-
-
-@dataclass(kw_only=True)
-class PoolOptions:
-    """How the pool places, feeds and recovers its engines (not in ``RolloutConfig``)."""
-
-    num_cpus_per_engine: float = 1.0
-    """Ray CPUs reserved per engine actor; a CPU engine also uses this many torch threads."""
-
-    num_gpus_per_engine: float = 0.0
-    """Ray GPUs per engine actor (vLLM: the tensor-parallel size; fractions for colocated
-    placement on a GPU shared with the actor)."""
-
-    scheduling_strategy: str = "DEFAULT"
-    """Where Ray puts the engines: ``DEFAULT`` (Ray's own choice) or ``SPREAD``
-    (contiguous blocks over the alive nodes, see :func:`scheduling_strategies`)."""
-
-    max_restarts: int = 3
-    """Times Ray restarts a dead engine actor (-1: unlimited)."""
-
-    restart_timeout_s: float = 300.0
-    """How long to wait for a restarted engine to answer before giving up on it."""
-
-    request_timeout_s: float | None = None
-    """An engine with work that finishes no request for this long is treated as hung: it
-    is killed (Ray restarts it) and its requests are retried; null waits forever."""
-
-    max_prompts_per_request: int | None = None
-    """Prompts per request; null splits a call evenly into one request per live engine."""
-
-    max_inflight_requests_per_engine: int = 2
-    """Requests queued on one engine at a time (2 keeps it busy between requests)."""
-
-    keep_weights_for_restart: bool = True
-    """Keep the last sync's buckets in the object store (one model copy) so a restarted
-    engine gets the current weights back; false saves that memory, and a restart after
-    the first sync becomes an error."""
-
-    name_prefix: str = "rollout"
-    """Engines are named ``{name_prefix}-{index}`` in completions, logs and errors."""
-
-    def __post_init__(self) -> None:
-        if self.num_cpus_per_engine < 0 or self.num_gpus_per_engine < 0:
-            raise ValueError("PoolOptions: num_cpus_per_engine and num_gpus_per_engine must be >= 0")
-        if self.max_restarts < -1:
-            raise ValueError(f"PoolOptions.max_restarts: got {self.max_restarts}; must be >= -1")
-        if self.max_prompts_per_request is not None and self.max_prompts_per_request < 1:
-            raise ValueError(f"PoolOptions.max_prompts_per_request: got {self.max_prompts_per_request}; must be >= 1")
-        if self.max_inflight_requests_per_engine < 1:
-            raise ValueError("PoolOptions.max_inflight_requests_per_engine must be >= 1")
-
-
-def scheduling_strategies(strategy: str, count: int, *, num_cpus: float = 0.0, num_gpus: float = 0.0) -> list[Any]:
-    """One Ray scheduling strategy for each of ``count`` actors (``ray.init`` must have run).
-
-    ``SPREAD`` is deterministic here: actor ``i`` is pinned to node ``i * n // count`` of
-    the ``n`` alive nodes, ordered by IP then node id. Contiguous blocks keep neighbouring
-    actors (the ranks of one TP group) on one node, and with ``count >= n`` every node
-    gets work. The pin is hard (Ray's node affinity with ``soft=False``): Ray's own
-    ``SPREAD`` and soft affinity are best effort, and in our tests both put actors that
-    reserve no resources on one node. A block that needs more CPUs or GPUs than its node
-    has raises ``ValueError`` (it would wait forever). Any other value (``DEFAULT``, a Ray
-    strategy object) is used for every actor unchanged.
-    """
-    if strategy != "SPREAD":
-        return [strategy] * count
-    import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    nodes = sorted((n for n in ray.nodes() if n["Alive"]), key=lambda n: (n["NodeManagerAddress"], n["NodeID"]))
-    placement = [nodes[i * len(nodes) // count] for i in range(count)]
-    for node in nodes:
-        block = sum(1 for chosen in placement if chosen is node)
-        have = node["Resources"]
-        if block * num_cpus > have.get("CPU", 0) or block * num_gpus > have.get("GPU", 0):
-            raise ValueError(
-                f"SPREAD placement: node {node['NodeManagerAddress']} ({node['NodeID'][:8]}) would get {block} "
-                f"actor(s) needing {num_cpus:g} CPU and {num_gpus:g} GPU each, but has "
-                f"{have.get('CPU', 0):g} CPU and {have.get('GPU', 0):g} GPU"
-            )
-    return [NodeAffinitySchedulingStrategy(node["NodeID"], soft=False) for node in placement]
-
-
-class EngineWorker:
-    """The body of one engine's Ray actor: builds the engine and forwards calls to it."""
-
-    def __init__(self, spec: EngineSpec, name: str, num_threads: int):
-        # Before the engine imports anything heavy: one process per engine, so the torch
-        # thread count is this actor's CPU share, not the whole machine.
-        torch.set_num_threads(max(1, num_threads))
-        self.engine = build_engine(spec, name=name)
-
-    def generate(
-        self, prompts: list[list[int]], params: SamplingParams, prompt_seeds: list[int]
-    ) -> list[list[Completion]]:
-        return self.engine.generate(prompts, params, prompt_seeds=prompt_seeds)
-
-    def load_bucket(self, bucket: WeightBucket, version: int) -> dict[str, int]:
-        return self.engine.load_bucket(bucket, version)
-
-    def sleep(self) -> None:
-        self.engine.sleep()
-
-    def wake(self) -> None:
-        self.engine.wake()
-
-    def health(self) -> dict[str, Any]:
-        return {**self.engine.health(), "pid": os.getpid()}
-
-    def node_id(self) -> str:
-        """The Ray node this engine runs on (hex id)."""
-        import ray
-
-        return ray.get_runtime_context().get_node_id()
-
-    def shutdown(self) -> None:
-        self.engine.shutdown()
 
 
 @dataclass
@@ -234,63 +81,55 @@ def _actor_errors() -> tuple[type[BaseException], ...]:
     return (rex.RayActorError, rex.WorkerCrashedError)
 
 
+
 class RolloutPool:
-    """``num_engines`` engines of ``spec`` as Ray actors; ``ray.init`` must have run.
+    """``rollout.num_engines`` engines of ``rollout.engine`` as Ray actors; ``ray.init`` must have run.
 
     Args:
-        spec: backend, model directory and engine arguments shared by every engine.
-        num_engines: engine replicas.
-        options: placement, dispatch and recovery settings.
+        config: the ``rollout`` section (engine kind and arguments, engine count,
+            dispatch and recovery settings in ``config.pool``).
+        model_path: HF model directory every engine loads (the initial weights, version 0).
+        placement: where each engine runs (:mod:`megatron_rl.placement`); default: one
+            Ray CPU per engine, Ray's own scheduling.
+        name_prefix: engines are named ``{name_prefix}-{index}`` in completions, logs and errors.
     """
 
-    def __init__(self, spec: EngineSpec, *, num_engines: int, options: PoolOptions | None = None):
+    def __init__(
+        self,
+        config: RolloutConfig,
+        model_path: str,
+        *,
+        placement: GroupPlacement | None = None,
+        name_prefix: str = "rollout",
+    ):
         import ray
 
         if not ray.is_initialized():
             raise RuntimeError("RolloutPool needs a Ray cluster: call ray.init(...) first")
-        if num_engines < 1:
-            raise ValueError(f"num_engines: got {num_engines}; must be >= 1")
-        self.spec = spec
-        self.options = options or PoolOptions()
-        opts = self.options
-        self.engine_names = [f"{opts.name_prefix}-{i}" for i in range(num_engines)]
-        placement = scheduling_strategies(
-            opts.scheduling_strategy, num_engines, num_cpus=opts.num_cpus_per_engine, num_gpus=opts.num_gpus_per_engine
-        )
-        threads = max(1, int(opts.num_cpus_per_engine))
+        self.config = config
+        self.model_path = str(model_path)
+        placement = placement or GroupPlacement.uniform(config.num_engines, num_cpus=1.0)
+        if len(placement) != config.num_engines:
+            raise ValueError(f"placement has {len(placement)} members for {config.num_engines} engines")
+        self.engine_names = [f"{name_prefix}-{i}" for i in range(config.num_engines)]
         self.actors = [
             ray.remote(EngineWorker)
-            .options(
-                num_cpus=opts.num_cpus_per_engine,
-                num_gpus=opts.num_gpus_per_engine,
-                max_restarts=opts.max_restarts,
-                max_task_retries=0,
-                scheduling_strategy=strategy,
-            )
-            .remote(spec, name, threads)
-            for name, strategy in zip(self.engine_names, placement)
+            .options(max_restarts=config.pool.max_restarts, max_task_retries=0, **options)
+            .remote(config.engine, self.model_path, dict(config.engine_args), name, placement.torch_threads)
+            for name, options in zip(self.engine_names, placement.ray_options)
         ]
         self._dead: dict[int, str] = {}
         self._version = 0
         self._sleeping = False
         self._restore_refs: list[ray.ObjectRef] = []
-        self._sync_failed: set[int] = set()
         self.last_stats: dict[str, float] = {}
         # Wait for every engine to load: a bad model path fails here, naming the engine.
         for i, actor in enumerate(self.actors):
             try:
-                ray.get(actor.health.remote(), timeout=opts.restart_timeout_s)
+                ray.get(actor.health.remote(), timeout=config.pool.restart_timeout_s)
             except Exception as exc:
                 self.shutdown()
                 raise RolloutEngineError(f"{self.engine_names[i]} failed to start: {exc}") from exc
-
-    @classmethod
-    def from_config(
-        cls, rollout: RolloutConfig, model_path: str, *, options: PoolOptions | None = None
-    ) -> RolloutPool:
-        """A pool of ``rollout.num_engines`` engines of ``rollout.engine`` over ``model_path``."""
-        spec = EngineSpec(kind=rollout.engine, model_path=str(model_path), engine_args=dict(rollout.engine_args))
-        return cls(spec, num_engines=rollout.num_engines, options=options)
 
     # ------------------------------------------------------------------ properties
 
@@ -343,7 +182,7 @@ class RolloutPool:
         progress_at = [0.0] * self.num_engines  # last submit-to-idle or completion, per engine
         results: list[list[Completion] | None] = [None] * num_prompts
         retries = 0
-        timeout = self.options.request_timeout_s
+        timeout = self.config.pool.request_timeout_s
 
         while pending or inflight:
             while pending:
@@ -407,7 +246,7 @@ class RolloutPool:
     def _split(self, prompts: list[list[int]], params: SamplingParams) -> list[_Request]:
         """Contiguous prompt ranges; a prompt's n samples always stay in one request."""
         live = max(1, len(self.live_engines))
-        size = self.options.max_prompts_per_request or math.ceil(len(prompts) / live)
+        size = self.config.pool.max_prompts_per_request or math.ceil(len(prompts) / live)
         bounds = [(lo, min(lo + size, len(prompts))) for lo in range(0, len(prompts), size)]
         return [
             _Request(
@@ -422,7 +261,7 @@ class RolloutPool:
 
     def _pick_engine(self, outstanding: list[int], queued: list[int]) -> int | None:
         """The live engine with the least outstanding work that has room for a request."""
-        cap = self.options.max_inflight_requests_per_engine
+        cap = self.config.pool.max_inflight_requests_per_engine
         candidates = [i for i in self.live_engines if queued[i] < cap]
         if not candidates:
             return None
@@ -435,7 +274,7 @@ class RolloutPool:
 
     def _wait_timeout(self, inflight: dict[Any, _Request], progress_at: list[float]) -> float | None:
         """Seconds until a busy engine would exceed ``request_timeout_s`` without progress."""
-        limit = self.options.request_timeout_s
+        limit = self.config.pool.request_timeout_s
         busy = self._busy_engines(inflight)
         if limit is None or not busy:
             return None  # requests of killed engines fail as soon as the kill lands
@@ -449,7 +288,7 @@ class RolloutPool:
         """
         import ray
 
-        limit = self.options.request_timeout_s
+        limit = self.config.pool.request_timeout_s
         now = time.monotonic()
         for engine in sorted(self._busy_engines(inflight)):
             if limit is not None and now - progress_at[engine] >= limit:
@@ -487,7 +326,7 @@ class RolloutPool:
         import ray
 
         name, actor = self.engine_names[engine], self.actors[engine]
-        deadline = time.monotonic() + self.options.restart_timeout_s
+        deadline = time.monotonic() + self.config.pool.restart_timeout_s
         health = None
         died = 0
         while time.monotonic() < deadline:
@@ -505,7 +344,7 @@ class RolloutPool:
                 time.sleep(0.2)
         if health is None:
             raise RolloutEngineError(
-                f"{name} did not come back within restart_timeout_s={self.options.restart_timeout_s}"
+                f"{name} did not come back within restart_timeout_s={self.config.pool.restart_timeout_s}"
             )
         if health["weight_version"] != self._version:
             if not self._restore_refs:
@@ -524,76 +363,117 @@ class RolloutPool:
 
     # ------------------------------------------------------------------ weights
 
-    def update_weights(
-        self,
-        named_tensors: Iterable[tuple[str, torch.Tensor]],
-        version: int,
-        *,
-        bucket_mb: float = 512,
-    ) -> dict[str, Any]:
-        """Load HF-named full tensors into every engine (see ``weight_sync.sync_weights``).
+    def sync(self, buckets: Iterable[WeightBucket | Any], *, version: int) -> dict[str, float]:
+        """Load a whole model's weights into every live engine; they then report ``version``.
 
-        Each sync must carry the whole model: its buckets are what a restarted engine
-        gets back. Returns the sync stats (seconds, bytes, buckets, GiB/s, version).
+        Args:
+            buckets: the model's :class:`~megatron_rl.weight_buckets.WeightBucket` s, or
+                ObjectRefs of buckets a producer already put (the actor's rank 0 does);
+                consumed once, lazily, so a producer runs at most one bucket ahead of the
+                ``rollout.pool.max_inflight_buckets`` being loaded. Each sync must carry
+                the whole model: its buckets are what a restarted engine gets back.
+            version: the weight version the engines report afterwards (and tag
+                completions with).
+
+        An engine that dies during the sync is restarted and reloaded at the end; an
+        engine that raises while loading makes the sync raise :class:`RolloutEngineError`
+        naming it (engines may then hold a mix of versions until the next full sync).
+
+        Returns:
+            ``weight_sync/seconds`` (wall time, producer included), ``weight_sync/put_seconds``
+            (host copies + ``ray.put`` here), ``weight_sync/bytes`` (payload bytes per
+            engine), ``weight_sync/num_tensors``, ``weight_sync/num_buckets``,
+            ``weight_sync/num_engines``, ``weight_sync/gib_per_s``, ``weight_sync/version``.
         """
-        from megatron_rl.rollout.weight_sync import sync_weights
+        import ray
 
-        return sync_weights(self, named_tensors, version=version, bucket_mb=bucket_mb)
-
-    def begin_weight_update(self, version: int) -> None:
-        """Start a sync to ``version`` (called by ``weight_sync.sync_weights``)."""
+        start = time.perf_counter()
         if version < self._version:
             logger.warning("weight sync to version %d is older than the pool's %d", version, self._version)
-        self._sync_failed = set()
         # The previous sync's buckets are no longer what a restarted engine should get
         # (this sync's are, at the end); dropping them now keeps one model copy at most.
         self._restore_refs = []
+        failed: set[int] = set()
+        put_seconds = 0.0
+        sizes: list[tuple[int, int]] = []  # per bucket: (tensors, bytes)
+        refs: list[ray.ObjectRef] = []
+        inflight: list[tuple[int, list[tuple[int, ray.ObjectRef]]]] = []  # (bucket, [(engine, load ref)])
+        try:
+            for bucket in buckets:
+                while len(inflight) >= self.config.pool.max_inflight_buckets:
+                    self._wait_loads(*inflight.pop(0), sizes, failed)
+                t0 = time.perf_counter()
+                if isinstance(bucket, WeightBucket):
+                    sizes.append((len(bucket.entries), bucket.num_bytes))
+                    ref = ray.put(bucket)
+                else:  # already in the object store; its size is known once an engine loaded it
+                    sizes.append((0, 0))
+                    ref = bucket
+                del bucket  # the object store holds the only copy from here on
+                put_seconds += time.perf_counter() - t0
+                targets = [i for i in self.live_engines if i not in failed]
+                inflight.append((len(refs), [(i, self.actors[i].load_bucket.remote(ref, version)) for i in targets]))
+                refs.append(ref)
+            for index, loads in inflight:
+                self._wait_loads(index, loads, sizes, failed)
+        except BaseException:
+            logger.error("weight sync aborted; engines may hold partially updated weights until the next sync")
+            raise
+        self._finish_sync(version, refs, failed)
+        num_tensors, num_bytes = sum(t for t, _ in sizes), sum(b for _, b in sizes)
+        seconds = time.perf_counter() - start
+        stats = {
+            "weight_sync/seconds": seconds,
+            "weight_sync/put_seconds": put_seconds,
+            "weight_sync/bytes": float(num_bytes),
+            "weight_sync/num_tensors": float(num_tensors),
+            "weight_sync/num_buckets": float(len(refs)),
+            "weight_sync/num_engines": float(self.num_engines),
+            "weight_sync/gib_per_s": num_bytes / seconds / (1 << 30) if seconds > 0 else float("inf"),
+            "weight_sync/version": float(version),
+        }
+        logger.info(
+            "weight sync v%d: %.3f GiB in %d buckets to %d engines in %.2fs",
+            version, num_bytes / (1 << 30), len(refs), self.num_engines, seconds,
+        )  # fmt: skip
+        return stats
 
-    def load_bucket_everywhere(self, ref: ray.ObjectRef, version: int) -> list[tuple[int, ray.ObjectRef]]:
-        """Ask every live engine to load bucket ``ref``; returns ``(engine, load ref)`` pairs."""
-        return [
-            (i, self.actors[i].load_bucket.remote(ref, version))
-            for i in self.live_engines
-            if i not in self._sync_failed
-        ]
-
-    def wait_weight_loads(self, loads: list[tuple[int, ray.ObjectRef]]) -> None:
-        """Wait for bucket loads; an engine that died mid-sync gets a full reload at the end."""
+    def _wait_loads(
+        self, index: int, loads: list[tuple[int, Any]], sizes: list[tuple[int, int]], failed: set[int]
+    ) -> None:
+        """Wait for the loads of bucket ``index``; an engine that died mid-sync is reloaded at the end."""
         import ray
 
         for engine, ref in loads:
             try:
-                ray.get(ref)
+                loaded = ray.get(ref)
             except _actor_errors() as exc:
                 logger.warning(
                     "%s died during a weight sync (%s); it is reloaded at the end", self.engine_names[engine], exc
                 )
-                self._sync_failed.add(engine)
+                failed.add(engine)
+                continue
             except ray.exceptions.RayTaskError as exc:
                 raise RolloutEngineError(f"{self.engine_names[engine]} failed to load weights: {exc}") from exc
+            if sizes[index] == (0, 0):
+                sizes[index] = (int(loaded["num_tensors"]), int(loaded["num_bytes"]))
 
-    def finish_weight_update(self, version: int, bucket_refs: list[ray.ObjectRef]) -> None:
-        """Complete a sync: reload engines that died during it, record the new version."""
+    def _finish_sync(self, version: int, refs: list[Any], failed: set[int]) -> None:
+        """Record the new version; reload engines that died during the sync."""
         self._version = int(version)
-        self._restore_refs = list(bucket_refs)
-        for engine in sorted(self._sync_failed):
+        self._restore_refs = list(refs)
+        for engine in sorted(failed):
             try:
                 self._recover(engine)
             except RolloutEngineError as exc:
                 self._dead[engine] = str(exc)
                 logger.error("%s", exc)
-        self._sync_failed = set()
-        if not self.options.keep_weights_for_restart:
+        if not self.config.pool.keep_weights_for_restart:
             self._restore_refs = []
         if not self.live_engines:
             raise RolloutEngineError(
                 "every rollout engine died during the weight sync: " + "; ".join(self._dead.values())
             )
-
-    def abort_weight_update(self) -> None:
-        """A sync raised: engines may hold a mix of versions until the next full sync."""
-        logger.error("weight sync aborted; engines may hold partially updated weights until the next sync")
-        self._sync_failed = set()
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -604,7 +484,7 @@ class RolloutPool:
         out = []
         for i, ref in refs.items():
             try:
-                out.append(ray.get(ref, timeout=self.options.restart_timeout_s))
+                out.append(ray.get(ref, timeout=self.config.pool.restart_timeout_s))
             except Exception as exc:
                 raise RolloutEngineError(f"{self.engine_names[i]}.{method}() failed: {exc}") from exc
         return out
@@ -629,7 +509,7 @@ class RolloutPool:
                 reports.append({"ok": False, "engine": self.engine_names[i], "error": self._dead[i]})
                 continue
             try:
-                reports.append(ray.get(actor.health.remote(), timeout=self.options.restart_timeout_s))
+                reports.append(ray.get(actor.health.remote(), timeout=self.config.pool.restart_timeout_s))
             except Exception as exc:
                 reports.append({"ok": False, "engine": self.engine_names[i], "error": f"{type(exc).__name__}: {exc}"})
         return reports
@@ -639,7 +519,7 @@ class RolloutPool:
         import ray
 
         refs = {i: self.actors[i].node_id.remote() for i in self.live_engines}
-        timeout = self.options.restart_timeout_s
+        timeout = self.config.pool.restart_timeout_s
         return [ray.get(refs[i], timeout=timeout) if i in refs else None for i in range(self.num_engines)]
 
     def __enter__(self) -> RolloutPool:

@@ -8,7 +8,7 @@ is constructed, never at module import, so CPU machines can import this module.
   ``enable_sleep_mode=True`` (colocated placement), ``skip_tokenizer_init=True`` (prompts
   and outputs are token ids), ``logprobs_mode="processed_logprobs"``. Tensor parallelism is
   ``tensor_parallel_size`` in ``engine_args``; the pool gives the actor that many GPUs
-  (``PoolOptions.num_gpus_per_engine``) and vLLM's default multiprocessing executor
+  (``megatron_rl.placement``) and vLLM's default multiprocessing executor
   spreads the shards over them.
 - Log-probs: ``processed_logprobs`` are ``log_softmax`` of the logits after temperature
   (and after top-k/top-p); ``raw_logprobs`` (vLLM's default) would be at temperature 1.

@@ -35,7 +35,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from megatron_rl.convert import HfToMcoreOptions, McoreToHfOptions, hf_to_mcore, mcore_to_hf
+from megatron_rl.models.convert import HfToMcoreOptions, McoreToHfOptions, hf_to_mcore, mcore_to_hf
 from tests.helpers.tiny_hf import save_model
 
 REPO = Path(__file__).resolve().parents[2]

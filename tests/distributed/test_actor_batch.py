@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_rl.actor.batch import ActorBatch, make_microbatches, plan_microbatches
-from megatron_rl.actor.model import ModelOptions
 from megatron_rl.actor.weights import concat_tp_shards, take_tp_shard
+from megatron_rl.config import ModelOptions
 
 
 def _batch(lengths, L=8, prompt=2) -> ActorBatch:
@@ -85,9 +85,11 @@ def test_tp_split_and_join_are_inverse(name, dim):
         assert torch.equal(shards[1], torch.cat([gate[2:], up[2:]]))
 
 
-def test_actor_config_from_run_config():
-    from megatron_rl.actor.actor import ActorConfig
+def test_actor_spec_from_run_config():
+    # The actor reads the run's sections by reference (no copied settings); derived values
+    # (the run's optimizer-step count for the LR decay) are properties of the spec.
     from megatron_rl.algo import AlgorithmConfig, LoptiConfig
+    from megatron_rl.builder import actor_spec
     from megatron_rl.config import ParallelConfig, RunConfig, TrainerConfig
 
     run = RunConfig(
@@ -95,12 +97,11 @@ def test_actor_config_from_run_config():
         trainer=TrainerConfig(num_steps=10, num_minibatches_per_step=2, lr=3e-6, lr_schedule="cosine"),
         algorithm=AlgorithmConfig(lopti=LoptiConfig(enabled=True)),
     )
-    cfg = ActorConfig.from_run_config(run)
-    assert cfg.tensor_model_parallel_size == 2 and cfg.pipeline_model_parallel_size == 1
-    assert cfg.lr == 3e-6 and cfg.lr_schedule == "cosine"
+    cfg = actor_spec(run)
+    assert cfg.parallel.tensor_model_parallel_size == 2 and cfg.parallel.pipeline_model_parallel_size == 1
+    assert cfg.trainer.lr == 3e-6 and cfg.trainer.lr_schedule == "cosine"
     assert cfg.lr_decay_steps == 10 * 2 * 2  # Lopti doubles the optimizer steps
-    assert cfg.hf_config["model_type"] == run.model.tiny.model_type
-    with pytest.raises(ValueError, match="lr_decay_steps"):
-        ActorConfig(hf_config={}, lr_schedule="linear")
+    assert cfg.architecture["model_type"] == run.model.tiny.model_type
+    assert cfg.parallel is run.parallel and cfg.trainer is run.trainer and cfg.model is run.model
     with pytest.raises(ValueError, match="fp8"):
         ModelOptions(fp8="e4m3", use_te=False)

@@ -11,13 +11,15 @@ import pytest
 import ray
 import torch
 
-from megatron_rl.actor.actor import ActorConfig
-from megatron_rl.actor.ray_group import ActorGroup, ActorGroupOptions
+from megatron_rl.actor.ray_group import ActorGroup
+from megatron_rl.actor.spec import ActorSpec
+from megatron_rl.algo.mismatch import logprob_mismatch
+from megatron_rl.config import ParallelConfig, RolloutConfig, TrainerConfig
 from megatron_rl.experience import build_experience
+from megatron_rl.placement import GroupPlacement
 from megatron_rl.rollout.base import SamplingParams
 from megatron_rl.rollout.hf_engine import HFEngine
-from megatron_rl.rollout.mismatch import logprob_mismatch
-from megatron_rl.rollout.pool import EngineSpec, PoolOptions, RolloutPool
+from megatron_rl.rollout.pool import RolloutPool
 
 HF_CONFIG = dict(
     model_type="qwen2", architectures=["Qwen2ForCausalLM"], hidden_size=64, intermediate_size=128,
@@ -46,12 +48,14 @@ def ray_session():
 
 
 def test_sync_from_tp2_actor_gives_the_engine_the_actor_weights(tmp_path, ray_session):
-    actors = ActorGroup(
-        ActorConfig(hf_config=dict(HF_CONFIG), tensor_model_parallel_size=2, seed=7),
-        ActorGroupOptions(num_ranks=2),
+    spec = ActorSpec(
+        architecture=dict(HF_CONFIG),
+        parallel=ParallelConfig(num_actor_ranks=2, tensor_model_parallel_size=2),
+        trainer=TrainerConfig(seed=7),
     )
-    pool = RolloutPool(EngineSpec(kind="hf", model_path=str(_save_hf(tmp_path / "other", seed=123))),
-                       num_engines=1, options=PoolOptions(num_cpus_per_engine=0.5))  # fmt: skip
+    actors = ActorGroup(spec)
+    pool = RolloutPool(RolloutConfig(), str(_save_hf(tmp_path / "other", seed=123)),
+                       placement=GroupPlacement.uniform(1, num_cpus=0.5))  # fmt: skip
     try:
         prompts = [[1, 2, 3, 4], [5, 6, 7], [8, 9]]
         params = SamplingParams(n=2, temperature=1.0, max_new_tokens=6, seed=11)
@@ -59,18 +63,15 @@ def test_sync_from_tp2_actor_gives_the_engine_the_actor_weights(tmp_path, ray_se
         def engine_vs_actor():
             comps = pool.generate(prompts, params)
             exp = build_experience(prompts, comps, pad_id=0)
-            actor_lp = actors.compute_logprobs(exp.batch, 1.0).logp
-            return comps, logprob_mismatch(exp.engine_logp, actor_lp, exp.batch.loss_mask).metrics
+            actor_lp = actors.compute_logprobs(exp.batch).logp  # at the spec's temperature, 1.0
+            return comps, logprob_mismatch(exp.batch.engine_logp, actor_lp, exp.batch.loss_mask).metrics
 
         _, before = engine_vs_actor()
         assert before["rollout/logp_mismatch/max_abs"] > 1e-2  # different weights before the sync
 
-        refs = actors.put_weight_buckets(1 << 14)  # small buckets: several of them
-        assert len(refs) > 1
-        pool.begin_weight_update(1)
-        for ref in refs:
-            pool.wait_weight_loads(pool.load_bucket_everywhere(ref, 1))
-        pool.finish_weight_update(1, refs)
+        # The trainer's own path: rank 0 streams buckets, the pool loads them (bounded in flight).
+        stats = pool.sync(actors.weight_buckets(1 << 14), version=1)  # small buckets: several of them
+        assert stats["weight_sync/num_buckets"] > 1
 
         synced, after = engine_vs_actor()
         assert after["rollout/logp_mismatch/max_abs"] < 1e-5

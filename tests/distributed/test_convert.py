@@ -1,4 +1,4 @@
-"""HF <-> Megatron checkpoint conversion (megatron_rl.convert).
+"""HF <-> Megatron checkpoint conversion (megatron_rl.models.convert, megatron-rl convert).
 
 * HF -> Megatron (TP, PP in {1, 2}) -> HF is bit-exact for every tensor, for Qwen2
   (GQA + untied, MHA + tied), Qwen3 (qk-norm, head_dim != H/nh) and Llama; config,
@@ -24,8 +24,15 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from megatron_rl import convert
-from megatron_rl.convert import ConversionError, HfToMcoreOptions, McoreToHfOptions, hf_to_mcore, mcore_to_hf
+from megatron_rl.commands import convert
+from megatron_rl.models.convert import (
+    RECORD_FILE,
+    ConversionError,
+    HfToMcoreOptions,
+    McoreToHfOptions,
+    hf_to_mcore,
+    mcore_to_hf,
+)
 from tests.helpers.tiny_hf import VARIANTS, VOCAB, build_model, save_model, save_tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
@@ -69,7 +76,7 @@ def mcore_dirs(hf_dirs, tmp_path_factory) -> dict[tuple[str, int, int], Path]:
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_round_trip_is_bit_exact(variant, tp, pp, hf_dirs, mcore_dirs, tmp_path):
     mcore_dir = mcore_dirs[variant, tp, pp]
-    record = json.loads((mcore_dir / convert.RECORD_FILE).read_text())
+    record = json.loads((mcore_dir / RECORD_FILE).read_text())
     assert record["padded_vocab_size"] == 256 and record["vocab_size"] == VOCAB
     assert (mcore_dir / "hf_config" / "config.json").is_file()
 

@@ -28,6 +28,7 @@ from megatron_rl.algo import (
     stapo_candidates,
     stapo_entropy_threshold,
 )
+from megatron_rl.algo.methods import STAPO_THRESHOLD_KEY
 
 NUM_SEQS, SEQ_LEN, HIDDEN, VOCAB, TEMPERATURE = 16, 8, 6, 11, 0.7
 
@@ -76,7 +77,7 @@ def single_batch_grad(cfg):
     w = w0.clone().requires_grad_()
     logp, ent = logp_and_entropy(h, w, targets)
     phase = "low" if cfg.lopti.enabled else None
-    out = compute_policy_loss(logp, old, adv, mask, cfg, ref_logp=ref, entropy=ent, lopti_phase=phase)
+    out = compute_policy_loss(logp, old, adv, mask, cfg, ref_logp=ref, entropy=ent, phase=phase)
     (out.loss_sum / out.count).backward()
     return w.grad, out
 
@@ -106,7 +107,7 @@ def distributed_grad(cfg, num_microbatches, group=None):
         logp, ent = logp_and_entropy(h[idx], w, targets[idx])
         out = compute_policy_loss(
             logp, old[idx], adv[idx], mask[idx], cfg, ref_logp=ref[idx], entropy=ent,
-            lopti_phase=phase, stapo_threshold=threshold,
+            phase=phase, prepass={STAPO_THRESHOLD_KEY: threshold} if threshold is not None else None,
         )
         out.loss_sum.backward()
         count += out.count

@@ -12,8 +12,11 @@ import torch
 
 ray = pytest.importorskip("ray")
 
-from megatron_rl.rollout import EngineSpec, PoolOptions, RolloutEngineError, RolloutPool, SamplingParams  # noqa: E402
+from megatron_rl.config import PoolConfig, RolloutConfig  # noqa: E402
+from megatron_rl.placement import GroupPlacement  # noqa: E402
+from megatron_rl.rollout import RolloutEngineError, RolloutPool, SamplingParams  # noqa: E402
 from megatron_rl.rollout.hf_engine import HFEngine  # noqa: E402
+from megatron_rl.weight_buckets import MIB, make_buckets  # noqa: E402
 from tests.helpers.rollout_models import build_qwen2, hf_state, reference_logprobs, save_qwen2  # noqa: E402
 
 PROMPTS = [[1, 2, 3], [5] * 9, [7, 8], list(range(20, 37)), [3], [9, 9, 1, 4]]
@@ -35,14 +38,14 @@ def ckpts(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def pool(ray_cluster, ckpts):
-    spec = EngineSpec(
-        kind="tests.helpers.rollout_engines:FaultOnceEngine",
-        model_path=str(ckpts[0]),
-        engine_args={"arm_file": str(ckpts[2])},
-    )
     # A request takes well under a second here; the 5 s time-out only matters for the hang test.
-    options = PoolOptions(num_cpus_per_engine=1, restart_timeout_s=120, request_timeout_s=5)
-    pool = RolloutPool(spec, num_engines=2, options=options)
+    config = RolloutConfig(
+        engine="tests.helpers.rollout_engines:FaultOnceEngine",
+        engine_args={"arm_file": str(ckpts[2])},
+        num_engines=2,
+        pool=PoolConfig(restart_timeout_s=120, request_timeout_s=5),
+    )
+    pool = RolloutPool(config, str(ckpts[0]), placement=GroupPlacement.uniform(2, num_cpus=1))
     yield pool
     pool.shutdown()
 
@@ -80,11 +83,11 @@ def test_results_do_not_depend_on_the_request_split(pool, ckpts):
 def test_least_outstanding_work_dispatch(pool):
     # Six one-prompt requests; each engine holds at most 2 at a time, and the long prompt
     # (index 3) counts as more work, so dispatch alternates rather than filling one engine.
-    pool.options.max_prompts_per_request = 1
+    pool.config.pool.max_prompts_per_request = 1
     try:
         results = pool.generate(PROMPTS, PARAMS)
     finally:
-        pool.options.max_prompts_per_request = None
+        pool.config.pool.max_prompts_per_request = None
     assert pool.last_stats["rollout/num_requests"] == len(PROMPTS)
     engines = [g[0].engine for g in results]
     assert engines[:2] == ["rollout-0", "rollout-1"]  # the first two go to the two idle engines
@@ -93,7 +96,7 @@ def test_least_outstanding_work_dispatch(pool):
 
 def test_weight_sync_equals_a_fresh_engine(pool, ckpts):
     state = hf_state(ckpts[1])
-    stats = pool.update_weights(state.items(), version=1, bucket_mb=0.05)  # 50 KiB: many buckets
+    stats = pool.sync(make_buckets(state.items(), int(0.05 * MIB)), version=1)  # 50 KiB: many buckets
     assert stats["weight_sync/bytes"] == sum(t.numel() * t.element_size() for t in state.values())
     assert stats["weight_sync/num_tensors"] == len(state)
     assert stats["weight_sync/num_buckets"] > 3
@@ -149,8 +152,8 @@ def test_sleep_and_wake(pool):
 
 
 def test_request_failing_twice_names_engine_and_request(ray_cluster, ckpts):
-    spec = EngineSpec(kind="tests.helpers.rollout_engines:AlwaysCrashEngine", model_path=str(ckpts[0]))
-    broken = RolloutPool(spec, num_engines=1, options=PoolOptions(max_restarts=1, name_prefix="broken"))
+    config = RolloutConfig(engine="tests.helpers.rollout_engines:AlwaysCrashEngine", pool=PoolConfig(max_restarts=1))
+    broken = RolloutPool(config, str(ckpts[0]), name_prefix="broken")
     try:
         with pytest.raises(RolloutEngineError, match=r"broken-0 failed request 0/1 \(prompts 0\.\.1 of 2\) again"):
             broken.generate(PROMPTS[:2], PARAMS)
@@ -160,5 +163,4 @@ def test_request_failing_twice_names_engine_and_request(ray_cluster, ckpts):
 
 def test_bad_model_path_fails_at_start_naming_the_engine(ray_cluster, tmp_path):
     with pytest.raises(RolloutEngineError, match="rollout-0 failed to start"):
-        spec = EngineSpec(model_path=str(tmp_path / "missing"))
-        RolloutPool(spec, num_engines=1, options=PoolOptions(max_restarts=0))
+        RolloutPool(RolloutConfig(pool=PoolConfig(max_restarts=0)), str(tmp_path / "missing"))

@@ -109,13 +109,16 @@ def test_tensor_parallel_two(ckpts):
 
 def test_pool_of_vllm_engines(ckpts):
     ray = pytest.importorskip("ray")
-    from megatron_rl.rollout import EngineSpec, PoolOptions, RolloutPool
+    from megatron_rl.config import RolloutConfig
+    from megatron_rl.placement import GroupPlacement
+    from megatron_rl.rollout import RolloutPool
+    from megatron_rl.weight_buckets import MIB, make_buckets
 
     ray.init(num_gpus=1, include_dashboard=False, log_to_driver=False)
     try:
-        spec = EngineSpec(kind="vllm", model_path=str(ckpts[0]), engine_args=ENGINE_ARGS)
-        pool = RolloutPool(spec, num_engines=1, options=PoolOptions(num_gpus_per_engine=1))
-        stats = pool.update_weights(hf_state(ckpts[1]).items(), version=1, bucket_mb=1)
+        config = RolloutConfig(engine="vllm", engine_args=dict(ENGINE_ARGS))
+        pool = RolloutPool(config, str(ckpts[0]), placement=GroupPlacement.uniform(1, num_gpus=1))
+        stats = pool.sync(make_buckets(hf_state(ckpts[1]).items(), MIB), version=1)
         assert stats["weight_sync/num_buckets"] > 1
         results = pool.generate(PROMPTS, PARAMS)
         assert all(c.weight_version == 1 for g in results for c in g)

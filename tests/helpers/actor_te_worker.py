@@ -27,13 +27,14 @@ N, L = 8, 32
 
 def run(spec: dict) -> dict:
     import torch
+    import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
-    from megatron_rl.actor.actor import ActorConfig, MegatronActor
+    from megatron_rl.actor.actor import MegatronActor
     from megatron_rl.actor.batch import ActorBatch
     from megatron_rl.actor.launch import initialize_parallel
-    from megatron_rl.actor.model import ModelOptions
-    from megatron_rl.algo import AlgorithmConfig
+    from megatron_rl.actor.spec import ActorSpec
+    from megatron_rl.config import ModelOptions, ParallelConfig, TrainerConfig
 
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 250, (N, L), generator=g)
@@ -44,14 +45,13 @@ def run(spec: dict) -> dict:
     report: dict = {"device": torch.cuda.get_device_name()}
 
     def build(options: ModelOptions) -> MegatronActor:
-        cfg = ActorConfig(
-            hf_config=spec["hf_dir"],
-            tensor_model_parallel_size=spec["tp"],
+        cfg = ActorSpec(
+            architecture=spec["hf_dir"],
+            parallel=ParallelConfig(num_actor_ranks=dist.get_world_size(), tensor_model_parallel_size=spec["tp"]),
             model=options,
-            lr=1e-3,
-            max_tokens_per_microbatch=N * L,
+            trainer=TrainerConfig(lr=1e-3, max_tokens_per_microbatch=N * L),
         )
-        groups = initialize_parallel(tensor_model_parallel_size=spec["tp"], seed=cfg.seed)
+        groups = initialize_parallel(tensor_model_parallel_size=spec["tp"], seed=cfg.trainer.seed)
         return MegatronActor(cfg, groups=groups)
 
     hf = AutoModelForCausalLM.from_pretrained(spec["hf_dir"], dtype=torch.float32).cuda()
@@ -68,7 +68,7 @@ def run(spec: dict) -> dict:
     batch = ActorBatch(
         input_ids=ids, attention_mask=attn, loss_mask=loss_mask, old_logp=lp.logp, advantages=torch.randn(N, L, generator=g)
     )
-    m = actor.train_step(batch, AlgorithmConfig())
+    m = actor.train_step(batch)
     report["bf16_step"] = {k: m[k] for k in ("loss/total", "actor/grad_norm", "actor/step_skipped")}
     after = actor.compute_logprobs(base).logp
     report["bf16_logp_moved"] = float((after - lp.logp).abs().max())
@@ -84,7 +84,7 @@ def run(spec: dict) -> dict:
     if major >= 9:  # FP8 tensor cores (Hopper and later)
         fp8 = build(ModelOptions(dtype="bfloat16", use_te=True, fp8="hybrid", fp8_recipe="delayed"))
         fp8.load_hf_weights(spec["hf_dir"])
-        m = fp8.train_step(batch, AlgorithmConfig())
+        m = fp8.train_step(batch)
         report["fp8_step"] = {k: m[k] for k in ("loss/total", "actor/grad_norm", "actor/step_skipped")}
     return report
 

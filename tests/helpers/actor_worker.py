@@ -100,34 +100,41 @@ def optimizer_state(actor) -> dict:
 def run(spec: dict, out_dir: Path) -> dict:
     import torch
     import torch.distributed as dist
+    from safetensors.torch import load_file
 
     from megatron_rl.actor import checkpoint as ckpt
-    from megatron_rl.actor.actor import ActorConfig, MegatronActor
+    from megatron_rl.actor.actor import MegatronActor
     from megatron_rl.actor.batch import ActorBatch
     from megatron_rl.actor.launch import initialize_parallel
-    from megatron_rl.actor.model import ModelOptions
-    from safetensors.torch import load_file
+    from megatron_rl.actor.spec import ActorSpec
+    from megatron_rl.config import ModelOptions, ParallelConfig, RolloutConfig, TrainerConfig
 
     rank = dist.get_rank()
     work = Path(spec["work_dir"])
     report: dict = {"layouts": {}, "timing_s": {}}
     first, second = algorithms()
 
-    def build(variant: str, tp: int, pp: int, **overrides) -> MegatronActor:
-        cfg = ActorConfig(
-            hf_config=spec["variants"][variant]["hf_dir"],
-            tensor_model_parallel_size=tp,
-            pipeline_model_parallel_size=pp,
-            lr=1e-3,
-            # Adam divides by sqrt(v) + eps: with a tiny eps, gradients that are zero in exact
-            # arithmetic (key biases) turn float rounding noise into full-size updates that
-            # differ between TP layouts. A larger eps keeps the comparison about gradients.
-            adam_eps=1e-4,
-            max_tokens_per_microbatch=overrides.pop("max_tokens", 64),
-            **overrides,
+    def build(variant: str, tp: int, pp: int, *, max_tokens: int = 64, model=None) -> MegatronActor:
+        actor_spec = ActorSpec(
+            architecture=spec["variants"][variant]["hf_dir"],
+            parallel=ParallelConfig(
+                num_actor_ranks=dist.get_world_size(), tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp
+            ),
+            trainer=TrainerConfig(
+                lr=1e-3,
+                # Adam divides by sqrt(v) + eps: with a tiny eps, gradients that are zero in exact
+                # arithmetic (key biases) turn float rounding noise into full-size updates that
+                # differ between TP layouts. A larger eps keeps the comparison about gradients.
+                adam_eps=1e-4,
+                max_tokens_per_microbatch=max_tokens,
+            ),
+            rollout=RolloutConfig(temperature=TEMPERATURE),
+            model=model or ModelOptions(),
         )
-        groups = initialize_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, seed=cfg.seed)
-        return MegatronActor(cfg, groups=groups)
+        groups = initialize_parallel(
+            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, seed=actor_spec.trainer.seed
+        )
+        return MegatronActor(actor_spec, groups=groups)
 
     base, noise = make_batch(250)
     hf_source = {}
@@ -168,7 +175,7 @@ def run(spec: dict, out_dir: Path) -> dict:
         entry["logp_padding_zero"] = bool((lp.logp[~real] == 0).all())
         entry["logp_sum"] = float(lp.logp.double().sum())  # equal on every rank
         batch = rl_batch(logps["tp1_pp1"])
-        m1 = actor.train_step(batch, first, temperature=TEMPERATURE)
+        m1 = actor.train_step(batch, algorithm=first)
         entry["step1"] = m1
         weights_step1[key] = hf_weights(actor)
         if key == "tp2_pp1":
@@ -179,11 +186,11 @@ def run(spec: dict, out_dir: Path) -> dict:
             actor.save_checkpoint(work / "ckpt" / "step_1")
             report["timing_s"]["save"] = time.perf_counter() - t
             saved_opt = optimizer_state(actor)
-            actor.config.checkpoint_optimizer_sharding = "fully_reshardable"
+            actor.spec.actor.checkpoint_optimizer_sharding = "fully_reshardable"
             t = time.perf_counter()
             actor.save_checkpoint(work / "ckpt_full" / "step_1")
             report["timing_s"]["save_fully_reshardable"] = time.perf_counter() - t
-        m2 = actor.train_step(batch, second, temperature=TEMPERATURE, lopti_phase="low")
+        m2 = actor.train_step(batch, algorithm=second, phase="low")
         entry["step2"] = m2
         weights_step2[key] = hf_weights(actor)
         entry["adam_step"] = ckpt.adam_step(actor.optimizer)
@@ -193,13 +200,13 @@ def run(spec: dict, out_dir: Path) -> dict:
             bad.advantages = bad.advantages.clone()
             bad.advantages[1, PROMPT + 1] = float("nan")
             before = hf_weights(actor)
-            m_nan = actor.train_step(bad, first, temperature=TEMPERATURE)
+            m_nan = actor.train_step(bad, algorithm=first)
             entry["nan_step"] = {
                 "metrics": {k: m_nan[k] for k in ("loss/total", *COUNTERS)},
                 "weights_unchanged": max_diff(before, hf_weights(actor)) == 0.0,
                 "adam_step": ckpt.adam_step(actor.optimizer),
             }
-            m_after = actor.train_step(batch, first, temperature=TEMPERATURE)
+            m_after = actor.train_step(batch, algorithm=first)
             entry["after_nan_step"] = {k: m_after[k] for k in COUNTERS}
         entry["seconds"] = time.perf_counter() - start
         report["layouts"][key] = entry
@@ -226,7 +233,7 @@ def run(spec: dict, out_dir: Path) -> dict:
         "counters": [actor.train_steps, actor.optimizer_steps, actor.skipped_steps],
         "scheduler_steps": actor.scheduler.num_steps,
     }
-    m2 = actor.train_step(rl_batch(logps["tp1_pp1"]), second, temperature=TEMPERATURE, lopti_phase="low")
+    m2 = actor.train_step(rl_batch(logps["tp1_pp1"]), algorithm=second, phase="low")
     resume["step2"] = m2
     resume["step2_continuous"] = report["layouts"]["tp2_pp1"]["step2"]
     resume["weights_bit_identical"] = max_diff(hf_weights(actor), weights_step2["tp2_pp1"]) == 0.0
@@ -237,7 +244,7 @@ def run(spec: dict, out_dir: Path) -> dict:
     # --- fully_reshardable optimizer state: saved at TP=2 x PP=1, resumed at TP=1 x PP=2.
     actor = build("qwen2_gqa", 1, 2)
     record = actor.load_checkpoint(work / "ckpt_full")
-    m2 = actor.train_step(rl_batch(logps["tp1_pp1"]), second, temperature=TEMPERATURE, lopti_phase="low")
+    m2 = actor.train_step(rl_batch(logps["tp1_pp1"]), algorithm=second, phase="low")
     report["reshard_optimizer_tp2_to_pp2"] = {
         "loaded_optimizer": record["loaded_optimizer"],
         "optimizer_sharding": record["optimizer_sharding"],
@@ -262,7 +269,7 @@ def run(spec: dict, out_dir: Path) -> dict:
     for budget in (1000, 48):
         actor = build("qwen2_gqa", 2, 2, max_tokens=budget)
         actor.load_checkpoint(spec["variants"]["qwen2_gqa"]["mcore_dir"])
-        m = actor.train_step(rl_batch(logps["tp1_pp1"]), first, temperature=TEMPERATURE)
+        m = actor.train_step(rl_batch(logps["tp1_pp1"]), algorithm=first)
         mb[budget] = (m, hf_weights(actor))
     report["microbatches"] = {
         "counts": [mb[b][0]["actor/num_microbatches"] for b in (1000, 48)],
@@ -280,7 +287,7 @@ def run(spec: dict, out_dir: Path) -> dict:
         else:
             actor.load_checkpoint(spec["variants"]["qwen2_tied"]["mcore_dir"])
         lp = actor.compute_logprobs(base, temperature=TEMPERATURE)
-        m = actor.train_step(rl_batch(lp.logp), first, temperature=TEMPERATURE)
+        m = actor.train_step(rl_batch(lp.logp), algorithm=first)
         tied[(tp, pp)] = (m, hf_weights(actor), lp.logp)
     report["tied"] = {
         "loss": [tied[k][0]["loss/total"] for k in tied],
@@ -306,7 +313,7 @@ def run(spec: dict, out_dir: Path) -> dict:
     actor = build("qwen2_gqa", 2, 1, model=ModelOptions(dtype="bfloat16"))
     actor.load_checkpoint(spec["variants"]["qwen2_gqa"]["mcore_dir"])
     before = hf_weights(actor)
-    m = actor.train_step(rl_batch(logps["tp1_pp1"]), first, temperature=TEMPERATURE)
+    m = actor.train_step(rl_batch(logps["tp1_pp1"]), algorithm=first)
     after = hf_weights(actor)
     report["bf16"] = {
         "loss": m["loss/total"],

@@ -1,4 +1,4 @@
-"""Fault-injecting engines for the pool tests, named by import path in ``EngineSpec.kind``.
+"""Fault-injecting engines for the pool tests, named by import path in ``rollout.engine``.
 
 They subclass the real :class:`HFEngine` (no mocking): the only difference is a process
 exit at a chosen moment, which is what a crashed engine looks like to Ray.

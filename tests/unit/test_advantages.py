@@ -107,4 +107,4 @@ def test_user_estimator_is_a_peer_of_the_builtins():
 
         assert adv(name, [1.0, 2.0], [0, 0]) == [0.5, 0.5]
     finally:
-        adv_mod._REGISTRY.pop(name, None)
+        adv_mod.ADVANTAGE_ESTIMATORS.unregister(name)

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from megatron_rl import cli
+from megatron_rl import commands as cli
 from megatron_rl.config import load_run_config
 from megatron_rl.configlib import to_dict
 
@@ -189,3 +189,73 @@ def test_overrides_may_follow_the_dry_run_flag(tmp_path, capsys):
     assert "alpha: 0.3" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         cli.main(["train", EXAMPLE, "--dry-run", "--bogus"])
+
+
+# --------------------------------------------------------------------------- task and model checks
+
+
+def echo_reward(response, ground_truth):
+    """A user reward function for ``data.task=module:function``."""
+    return float(response == ground_truth)
+
+
+def test_renamed_task_key_is_a_one_line_warning(tmp_path, capsys):
+    assert cli.main(_dry_run_args(tmp_path, "data.reward=toy_copy")) == 0
+    out, err = capsys.readouterr()
+    assert "warning: config field 'data.reward': is renamed; write 'data.task'" in err
+    assert "FutureWarning" not in err and "ConfigRenameWarning" not in err
+    assert yaml.safe_load(out)["data"]["task"] == "toy_copy"
+
+
+def test_unknown_task_is_named_as_data_task(tmp_path, capsys):
+    assert cli.main(_dry_run_args(tmp_path, "data.task=kk_logik")) == 2
+    err = capsys.readouterr().err
+    assert "error: config field 'data.task': unknown task 'kk_logik'" in err
+    assert "data.reward" not in err and "kk_logic" in err and "toy_copy" in err
+
+
+def test_user_reward_function_is_a_task(tmp_path, capsys):
+    assert cli.main(_dry_run_args(tmp_path, f"data.task={__name__}:echo_reward")) == 0
+    assert cli.main(_dry_run_args(tmp_path, f"data.task={__name__}:no_such_fn")) == 2
+    err = capsys.readouterr().err
+    assert "error: config field 'data.task'" in err and "has no attribute 'no_such_fn'" in err
+
+
+def test_unknown_tiny_model_type_lists_registered(tmp_path, capsys):
+    assert cli.main(_dry_run_args(tmp_path, "model.tiny.model_type=mistral")) == 2
+    err = capsys.readouterr().err
+    assert "error: config field 'model.tiny.model_type': unknown model type 'mistral'; registered: " in err
+    assert "llama, qwen2, qwen3" in err and not (tmp_path / "tiny_cpu").exists()
+
+
+def _hf_args(tmp_path: Path, hf_config: Path) -> list[str]:
+    return _dry_run_args(tmp_path, "model.tiny=null", f"model.hf_config={hf_config}")
+
+
+@pytest.mark.parametrize("as_file", [False, True], ids=["directory", "config_json"])
+def test_hf_config_model_type_is_checked(tmp_path, capsys, as_file):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text('{"model_type": "qwen2"}')
+    source = model / "config.json" if as_file else model
+    assert cli.main(_hf_args(tmp_path, source)) == 0
+    (model / "config.json").write_text('{"model_type": "mistral"}')
+    assert cli.main(_hf_args(tmp_path, source)) == 2
+    err = capsys.readouterr().err
+    assert f"error: config field 'model.hf_config': {model / 'config.json'}: unknown model type 'mistral'" in err
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [(None, "does not exist"), ("{not json", "cannot read"), ('{"hidden_size": 8}', "has no 'model_type'")],
+    ids=["missing", "not_json", "no_model_type"],
+)
+def test_unreadable_hf_config_is_named(tmp_path, capsys, content, message):
+    model = tmp_path / "model"
+    model.mkdir()
+    if content is not None:
+        (model / "config.json").write_text(content)
+    path = model / "config.json"
+    assert cli.main(_hf_args(tmp_path, path)) == 2
+    err = capsys.readouterr().err
+    assert "error: config field 'model.hf_config'" in err and str(path) in err and message in err

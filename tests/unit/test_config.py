@@ -21,7 +21,15 @@ from megatron_rl.config import (
     config_reference,
     load_run_config,
 )
-from megatron_rl.configlib import ConfigError, ConfigWarning, field_docs, from_dict, iter_sections, save_resolved
+from megatron_rl.configlib import (
+    ConfigError,
+    ConfigRenameWarning,
+    ConfigWarning,
+    field_docs,
+    from_dict,
+    iter_sections,
+    save_resolved,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "tiny_cpu.yaml"
@@ -216,8 +224,9 @@ def test_section_built_in_python_is_checked_with_relative_path():
 
 
 def test_reward_forms():
-    assert DataConfig(reward="math").reward == "math"
-    assert DataConfig(reward="my_pkg.rewards:score").reward == "my_pkg.rewards:score"
+    # data.reward is now data.task (the old YAML key is still accepted, see test_renamed_reward_key)
+    assert DataConfig(task="math").task == "math"
+    assert DataConfig(task="my_pkg.rewards:score").task == "my_pkg.rewards:score"
 
 
 def test_resume_forms():
@@ -319,3 +328,23 @@ def test_save_and_reload_resolved_config(tmp_path):
 def test_round_trip_of_defaults_and_hf_model(tmp_path):
     for cfg in (RunConfig(), RunConfig(model=ModelConfig(hf_config="/ckpt/x"), logging=LoggingConfig(run_name="r"))):
         assert load_run_config(save_resolved(cfg, tmp_path / "d")) == cfg
+
+
+def test_renamed_reward_key_selects_the_task(tmp_path):
+    with pytest.warns(ConfigRenameWarning, match="'data.reward': is renamed; write 'data.task'"):
+        cfg = _load(tmp_path, "data.reward=math")
+    assert cfg.data.task == "math"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "path"),
+    [
+        (["parallel.num_actor_ranks=2", "parallel.context_parallel_size=2"], "parallel.context_parallel_size"),
+        (["parallel.num_actor_ranks=2", "parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true"],
+         "parallel.sequence_parallel"),
+        (["rollout.placement=disaggregated"], "rollout.placement"),
+    ],
+)  # fmt: skip
+def test_settings_not_supported_yet_are_errors_not_no_ops(tmp_path, overrides, path):
+    err = _load_error(tmp_path, *overrides)
+    assert err.path == path and ("not supported yet" in str(err) or "only 'colocated'" in str(err))

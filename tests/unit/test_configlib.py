@@ -16,7 +16,10 @@ import yaml
 
 from megatron_rl.configlib import (
     ConfigError,
+    ConfigRenameWarning,
     ConfigWarning,
+    Registry,
+    UnknownNameError,
     apply_overrides,
     dump_yaml,
     field_docs,
@@ -25,6 +28,7 @@ from megatron_rl.configlib import (
     load_config,
     parse_override_value,
     parse_yaml,
+    renamed_fields,
     render_docs,
     require_range,
     save_resolved,
@@ -377,3 +381,83 @@ def test_render_docs_lists_every_field():
         assert f"**`{name}`**" in text
     assert "## `inner`" in text and "Strength in [0, 1]." in text
     assert "(`'a' | 'b'`; default `a`)" in text
+
+
+# --------------------------------------------------------------------------- renamed fields
+
+
+@renamed_fields(old_name="new_name")
+@dataclass(kw_only=True)
+class Renamed:
+    """A section whose field was renamed."""
+
+    new_name: int = 1
+    """The field (formerly ``old_name``)."""
+
+    def __post_init__(self) -> None:
+        require_range("new_name", self.new_name, ge=0)
+
+
+@dataclass(kw_only=True)
+class HoldsRenamed:
+    """Top level holding the renamed section."""
+
+    sec: Renamed = field(default_factory=Renamed)
+    """The section."""
+
+
+def test_old_name_in_yaml_and_override_is_accepted_with_a_rename_warning(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("sec:\n  old_name: 5\n")
+    with pytest.warns(ConfigRenameWarning, match="'sec.old_name': is renamed; write 'sec.new_name'"):
+        assert load_config(HoldsRenamed, path).sec.new_name == 5
+    path.write_text("sec:\n  new_name: 5\n")
+    with pytest.warns(ConfigRenameWarning, match="sec.old_name"):
+        assert load_config(HoldsRenamed, path, ["sec.old_name=7"]).sec.new_name == 7  # the override wins
+    with pytest.warns(ConfigRenameWarning):
+        assert from_dict(HoldsRenamed, {"sec": {"old_name": 3}}).sec.new_name == 3
+
+
+def test_errors_about_a_renamed_field_name_the_key_the_user_wrote(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("sec:\n  new_name: 5\n")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ConfigRenameWarning)
+        with pytest.raises(ConfigError) as info:
+            load_config(HoldsRenamed, path, ["sec.old_name=-1"])
+        assert info.value.path == "sec.old_name" and "set by override 'sec.old_name=-1'" in str(info.value)
+        with pytest.raises(ConfigError) as info:
+            load_config(HoldsRenamed, path, ["sec.old_name=x"])
+        assert info.value.path == "sec.old_name" and "expected int" in str(info.value)
+        path.write_text("sec:\n  old_name: 5\n  new_name: 6\n")
+        with pytest.raises(ConfigError, match="set only one of 'sec.new_name' and its old name"):
+            load_config(HoldsRenamed, path)
+
+
+def test_a_rename_warning_is_not_a_config_warning():
+    # Places that turn config warnings into errors (strict tests) still accept old names.
+    assert not issubclass(ConfigRenameWarning, ConfigWarning) and issubclass(ConfigRenameWarning, FutureWarning)
+
+
+# --------------------------------------------------------------------------- registry
+
+
+def test_registry_registers_once_and_lists_names_on_a_miss():
+    class UnknownThing(UnknownNameError):
+        pass
+
+    reg: Registry[int] = Registry("thing", unknown_error=UnknownThing, unknown_hint="(or write module:attr)")
+    reg.register("b", 2)
+
+    @reg.register("a")
+    def a():
+        return 1
+
+    assert reg.get("a") is a and reg.get("b") == 2 and reg.names() == ["a", "b"] and "a" in reg
+    assert [name for name, _ in reg.items()] == ["b", "a"] and len(reg) == 2
+    with pytest.raises(ValueError, match="thing 'a' is already registered"):
+        reg.register("a", 3)
+    with pytest.raises(UnknownThing) as info:
+        reg.get("c")
+    assert str(info.value) == "unknown thing 'c'; registered: a, b (or write module:attr)"
+    assert isinstance(info.value, KeyError)

@@ -23,7 +23,7 @@ TOL = {torch.float64: 1e-12, torch.float32: 1e-5}
 
 def run_fused(logits, targets, mask, old, ref, adv, cfg, *, phase=None, **opts):
     x = logits.detach().clone().requires_grad_()
-    inputs = LossInputs(targets=targets, old_logp=old, advantages=adv, mask=mask, ref_logp=ref, lopti_phase=phase)
+    inputs = LossInputs(targets=targets, old_logp=old, advantages=adv, mask=mask, ref_logp=ref, phase=phase)
     out, stats = fused_policy_loss(x, inputs, cfg, VocabParallelOptions(**opts))
     loss = out.loss_sum / out.count.to(out.loss_sum.dtype)
     loss.backward()
@@ -113,7 +113,7 @@ def test_fused_linear_matches_unfused(name, dtype):
     g = torch.Generator().manual_seed(0)
     hidden = torch.randn(3, 7, 16, generator=g, dtype=torch.float64).to(dtype)
     weight = (0.5 * torch.randn(37, 16, generator=g, dtype=torch.float64)).to(dtype)
-    inputs = LossInputs(targets=targets, old_logp=old, advantages=adv, mask=mask, ref_logp=ref, lopti_phase=phase)
+    inputs = LossInputs(targets=targets, old_logp=old, advantages=adv, mask=mask, ref_logp=ref, phase=phase)
     opts = VocabParallelOptions(temperature=0.9, chunk_tokens=4)
 
     h1, w1 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
@@ -188,7 +188,7 @@ def test_token_grad_norms_equal_rowwise_norm_of_the_loss_sum_gradient(name):
     phase = lopti_phase_for(name, cfg)
     logits, targets, mask, old, ref, adv = make_inputs(seed=13, dtype=torch.float64)
     x = logits.clone().requires_grad_()
-    inputs = LossInputs(targets=targets, old_logp=old, advantages=adv, mask=mask, ref_logp=ref, lopti_phase=phase)
+    inputs = LossInputs(targets=targets, old_logp=old, advantages=adv, mask=mask, ref_logp=ref, phase=phase)
     out, stats = fused_policy_loss(x, inputs, cfg, VocabParallelOptions(temperature=0.8, chunk_tokens=4, token_grad_norms=True))
     out.loss_sum.backward()  # unscaled: the norms are of the loss SUM's gradient
     want = x.grad.reshape(-1, x.shape[-1]).norm(dim=-1)

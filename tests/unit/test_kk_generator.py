@@ -8,9 +8,9 @@ import random
 
 import pytest
 
-from megatron_rl.data import kk
-from megatron_rl.data.prompts import KK_STYLE, render_prompt
-from megatron_rl.rewards.kk_logic import kk_logic
+from megatron_rl.data.prompts import render_prompt
+from megatron_rl.tasks import kk
+from megatron_rl.tasks.kk import KK_STYLE, kk_logic
 
 SIZES = [2, 3, 4, 5, 6, 7]
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_rl.data.prompts import KK_STYLE, render_prompt
-from megatron_rl.rewards import get_reward
-from megatron_rl.rewards.kk_logic import MAX_SCORE, MIN_SCORE, expected_roles, kk_logic, score_kk
+from megatron_rl.data.prompts import render_prompt
+from megatron_rl.tasks import get_reward
+from megatron_rl.tasks.kk import KK_STYLE, MAX_SCORE, MIN_SCORE, expected_roles, kk_logic, score_kk
 
 GT = {
     "solution": [

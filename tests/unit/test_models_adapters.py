@@ -11,6 +11,7 @@ import dataclasses
 import pytest
 import torch
 
+from megatron_rl.configlib import UnknownNameError
 from megatron_rl.models import (
     ConversionError,
     DecoderAdapter,
@@ -23,6 +24,7 @@ from megatron_rl.models import (
     supported_model_types,
 )
 from megatron_rl.models.common import fuse_qkv, split_qkv
+from megatron_rl.models.registry import ADAPTERS
 from tests.helpers.tiny_hf import VARIANTS, VOCAB, build_config, build_model
 
 
@@ -34,6 +36,21 @@ def test_registry_dispatches_by_model_type():
         get_adapter("mistral")
     with pytest.raises(ValueError, match="already registered"):
         register_adapter(DecoderAdapter(model_type="qwen2", qk_norm=False, qkv_bias=lambda cfg: False))
+
+
+def test_registry_is_the_generic_one_and_names_hf_architectures():
+    import transformers
+
+    assert ADAPTERS.names() == supported_model_types()
+    with pytest.raises(UnknownNameError, match="unknown model type 'mistral'; registered: llama, qwen2, qwen3"):
+        ADAPTERS.get("mistral")
+    with pytest.raises(UnknownNameError):  # get_adapter's error is both a ConversionError and this
+        get_adapter("mistral")
+    expected = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+    for model_type, architecture in expected.items():
+        assert get_adapter(model_type).architecture == architecture
+        assert hasattr(transformers, architecture)
+    assert DecoderAdapter(model_type="x", qk_norm=False, qkv_bias=lambda cfg: False).architecture is None
 
 
 def test_padded_vocab_size():
@@ -179,8 +196,8 @@ def test_unsupported_configs_are_named(variant, change, message):
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_transformer_config_kwargs_build_a_megatron_config(variant):
-    from megatron.core.transformer.transformer_config import TransformerConfig
     from megatron.core.transformer.identity_op import IdentityOp
+    from megatron.core.transformer.transformer_config import TransformerConfig
 
     cfg = build_config(variant)
     adapter = adapter_for_config(cfg)

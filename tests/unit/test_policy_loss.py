@@ -21,6 +21,7 @@ from megatron_rl.algo import (
     merge_metrics,
     prepare_advantages,
 )
+from megatron_rl.algo.methods import STAPO_THRESHOLD_KEY
 from tests.loss_cases import LOSS_CASES, lopti_phase_for
 
 # ---------------------------------------------------------------- hand-computed cases
@@ -136,16 +137,16 @@ def test_lopti_phase_required_and_phases_split_the_loss():
     with pytest.raises(ValueError, match="lopti_phase"):
         compute_policy_loss(lp, old, adv, mask, cfg, ref_logp=old)
     with pytest.raises(ValueError, match="lopti.enabled is false"):
-        compute_policy_loss(lp, old, adv, mask, base, ref_logp=old, lopti_phase="low")
-    low = compute_policy_loss(lp, old, adv, mask, cfg, ref_logp=old, lopti_phase="low")
-    high = compute_policy_loss(lp, old, adv, mask, cfg, ref_logp=old, lopti_phase="high")
+        compute_policy_loss(lp, old, adv, mask, base, ref_logp=old, phase="low")
+    low = compute_policy_loss(lp, old, adv, mask, cfg, ref_logp=old, phase="low")
+    high = compute_policy_loss(lp, old, adv, mask, cfg, ref_logp=old, phase="high")
     full = compute_policy_loss(lp, old, adv, mask, base, ref_logp=old)
     # denominator "all": both passes count every valid token, and their sums add up to GRPO's
     assert float(low.count) == float(high.count) == float(full.count) == 24.0
     assert float(low.loss_sum + high.loss_sum) == pytest.approx(float(full.loss_sum), rel=1e-12)
     n_low = int((old.exp() < 0.4).sum())
     phase_cfg = dataclasses.replace(cfg, lopti=LoptiConfig(enabled=True, eta=0.4, denominator="phase"))
-    assert float(compute_policy_loss(lp, old, adv, mask, phase_cfg, ref_logp=old, lopti_phase="low").count) == n_low
+    assert float(compute_policy_loss(lp, old, adv, mask, phase_cfg, ref_logp=old, phase="low").count) == n_low
     assert finalize_metrics(low.metrics)["loss/lopti/low_frac"] == pytest.approx(n_low / 24)
 
 
@@ -290,7 +291,7 @@ def test_matches_independent_float64_reference(name, dtype, seed):
     lp_t = lp.to(dtype).requires_grad_()
     ent_t = ent.to(dtype).requires_grad_()
     out = compute_policy_loss(
-        lp_t, old.to(dtype), adv.to(dtype), mask, cfg, ref_logp=ref.to(dtype), entropy=ent_t, lopti_phase=phase
+        lp_t, old.to(dtype), adv.to(dtype), mask, cfg, ref_logp=ref.to(dtype), entropy=ent_t, phase=phase
     )
     loss = out.loss_sum / out.count.to(dtype)
     loss.backward()
@@ -329,7 +330,7 @@ def test_ar_alpha_zero_equals_grpo_exactly(seed, name):
     grads = []
     for a in (adv, adv0):
         x = lp.clone().requires_grad_()
-        out = compute_policy_loss(x, old, a, mask, cfg, ref_logp=ref, entropy=ent, lopti_phase=phase)
+        out = compute_policy_loss(x, old, a, mask, cfg, ref_logp=ref, entropy=ent, phase=phase)
         out.loss_sum.backward()
         grads.append((out.loss_sum.detach(), x.grad))
     assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
@@ -353,6 +354,6 @@ def test_stapo_renormalises_over_kept_tokens_and_uses_given_threshold():
     assert masked > 0
     assert float(out_local.count) == pytest.approx(float(mask.sum()) * (1 - masked))
     # a threshold below every entropy masks nothing
-    out_none = compute_policy_loss(lp, old, adv, mask, cfg, entropy=ent, stapo_threshold=-1.0)
+    out_none = compute_policy_loss(lp, old, adv, mask, cfg, entropy=ent, prepass={STAPO_THRESHOLD_KEY: -1.0})
     assert finalize_metrics(out_none.metrics)["loss/stapo/masked_frac"] == 0.0
     assert float(out_none.count) == float(mask.sum())

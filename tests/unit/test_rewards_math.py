@@ -7,7 +7,8 @@ import time
 
 import pytest
 
-from megatron_rl.rewards.math import MAX_ANSWER_CHARS, last_boxed, math_reward
+from megatron_rl.rewards.math_verify import MAX_ANSWER_CHARS, last_boxed
+from megatron_rl.tasks.math import math_reward
 
 
 @pytest.mark.parametrize(

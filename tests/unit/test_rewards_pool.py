@@ -11,7 +11,8 @@ import time
 
 import pytest
 
-from megatron_rl.rewards import RewardPool, get_reward, score_batch
+from megatron_rl.rewards import RewardPool, score_batch
+from megatron_rl.tasks import get_reward
 
 SPEC = f"{__name__}:misbehaving"
 

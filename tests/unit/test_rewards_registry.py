@@ -7,6 +7,7 @@ import uuid
 
 import pytest
 
+import megatron_rl.tasks  # noqa: F401  (registers the built-in rewards)
 from megatron_rl.rewards import (
     RewardLoadError,
     RewardResult,

@@ -6,9 +6,8 @@ import random
 
 import pytest
 
-from megatron_rl.data import toy
-from megatron_rl.rewards import get_reward
-from megatron_rl.rewards.toy import toy_copy
+from megatron_rl.tasks import get_reward, toy
+from megatron_rl.tasks.toy import toy_copy
 
 
 def test_generator_rows_determinism_and_disjoint_splits():

@@ -13,6 +13,7 @@ from megatron_rl.models.registry import register_adapter
 ADAPTER = register_adapter(
     DecoderAdapter(
         model_type="llama",
+        architecture="LlamaForCausalLM",
         qk_norm=False,
         qkv_bias=lambda cfg: False,
         checks=(

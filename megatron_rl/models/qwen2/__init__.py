@@ -12,6 +12,7 @@ from megatron_rl.models.registry import register_adapter
 ADAPTER = register_adapter(
     DecoderAdapter(
         model_type="qwen2",
+        architecture="Qwen2ForCausalLM",
         qk_norm=False,
         qkv_bias=lambda cfg: True,
         checks=(require_no_sliding_window,),

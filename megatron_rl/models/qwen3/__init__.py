@@ -13,6 +13,7 @@ from megatron_rl.models.registry import register_adapter
 ADAPTER = register_adapter(
     DecoderAdapter(
         model_type="qwen3",
+        architecture="Qwen3ForCausalLM",
         qk_norm=True,
         qkv_bias=lambda cfg: False,
         checks=(

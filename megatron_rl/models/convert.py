@@ -1,15 +1,18 @@
-"""``megatron-rl convert``: HF safetensors <-> megatron-core dist-checkpoints, streaming.
+"""HF safetensors <-> megatron-core dist-checkpoints, streaming: :func:`hf_to_mcore`, :func:`mcore_to_hf`.
 
 ::
 
-    megatron-rl convert hf-to-mcore --hf /ckpt/Qwen2.5-7B-Instruct --out /ckpt/q7b-mcore --tp 4 --pp 1
-    megatron-rl convert mcore-to-hf --mcore /ckpt/q7b-mcore --out /ckpt/q7b-hf [--hf-config DIR]
+    hf_to_mcore(HfToMcoreOptions(hf_dir=Path("/ckpt/Qwen2.5-7B-Instruct"), out_dir=Path("/ckpt/q7b-mcore"), tp=4))
+    mcore_to_hf(McoreToHfOptions(mcore_dir=Path("/ckpt/q7b-mcore"), out_dir=Path("/ckpt/q7b-hf")))
+
+The command line over these is ``megatron-rl convert hf-to-mcore|mcore-to-hf``
+(:mod:`megatron_rl.commands.convert`), whose ``--tp``/``--pp`` are the options' ``tp``/``pp``.
 
 The Megatron side is a megatron-core ``torch_dist`` checkpoint whose keys and global
 shapes are those of ``GPTModel.sharded_state_dict()``, so ``dist_checkpointing.load``
-fills a GPTModel built at *any* TP/PP; ``--tp`` only chooses the vocabulary padding
+fills a GPTModel built at *any* TP/PP; ``tp`` only chooses the vocabulary padding
 (rows rounded up to ``make_vocab_size_divisible_by * tp``; other sizes load too,
-megatron-core marks the embedding as ``allow_shape_mismatch``) and ``--tp/--pp`` are
+megatron-core marks the embedding as ``allow_shape_mismatch``) and ``tp``/``pp`` are
 checked against the model's head, group and layer counts. The HF config, generation
 config and tokenizer files are kept in ``<out>/hf_config/`` for the way back.
 
@@ -22,13 +25,11 @@ on any error. Bad input raises :class:`ConversionError` naming the file and tens
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import json
 import os
 import shutil
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -36,8 +37,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_rl.models import adapter_for_config, padded_vocab_size
-from megatron_rl.models.common import ConversionError, DecoderAdapter, ModelDims, WeightUnit
+from megatron_rl.models.common import ConversionError, DecoderAdapter, ModelDims, WeightUnit, padded_vocab_size
 from megatron_rl.models.hf_io import (
     SafetensorsReader,
     SafetensorsShardWriter,
@@ -46,6 +46,7 @@ from megatron_rl.models.hf_io import (
     dtype_from_name,
     read_config,
 )
+from megatron_rl.models.registry import adapter_for_config
 
 __all__ = [
     "ConversionError",
@@ -54,10 +55,8 @@ __all__ = [
     "ConversionSummary",
     "hf_to_mcore",
     "mcore_to_hf",
-    "add_arguments",
-    "add_hf_to_mcore_arguments",
-    "add_mcore_to_hf_arguments",
-    "run",
+    "HF_CONFIG_SUBDIR",
+    "RECORD_FILE",
 ]
 
 HF_CONFIG_SUBDIR = "hf_config"
@@ -68,7 +67,7 @@ RECORD_FILE = "megatron_rl_conversion.json"
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class HfToMcoreOptions:
-    """Options of ``convert hf-to-mcore``."""
+    """Options of :func:`hf_to_mcore` (``megatron-rl convert hf-to-mcore``)."""
 
     hf_dir: Path
     """HF model directory: config.json + safetensors (index or single file)."""
@@ -93,7 +92,7 @@ class HfToMcoreOptions:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class McoreToHfOptions:
-    """Options of ``convert mcore-to-hf``."""
+    """Options of :func:`mcore_to_hf` (``megatron-rl convert mcore-to-hf``)."""
 
     mcore_dir: Path
     """megatron-core torch_dist checkpoint directory (has metadata.json)."""
@@ -274,7 +273,9 @@ def _check_mcore_tensors(reader, units: list[WeightUnit], dims: ModelDims, cfg_p
         files = ", ".join(reader.files(unit.sharded_key))
         if unit.kind == "vocab":
             if len(shape) != 2 or shape[1] != dims.hidden_size:
-                raise ConversionError(f"tensor '{unit.sharded_key}' in {files} has shape {list(shape)}; expected [>= {dims.vocab_size}, {dims.hidden_size}]")
+                raise ConversionError(
+                    f"tensor '{unit.sharded_key}' in {files} has shape {list(shape)}; expected [>= {dims.vocab_size}, {dims.hidden_size}]"
+                )
             if shape[0] < dims.vocab_size:
                 raise ConversionError(
                     f"vocab size mismatch: {cfg_path} has vocab_size={dims.vocab_size} but tensor "
@@ -283,7 +284,9 @@ def _check_mcore_tensors(reader, units: list[WeightUnit], dims: ModelDims, cfg_p
             continue
         want = (dims.num_layers, *unit.mcore_shape) if unit.layer is not None else tuple(unit.mcore_shape)
         if tuple(shape) != want:
-            raise ConversionError(f"tensor '{unit.sharded_key}' in {files} has shape {list(shape)}; {cfg_path} implies {list(want)}")
+            raise ConversionError(
+                f"tensor '{unit.sharded_key}' in {files} has shape {list(shape)}; {cfg_path} implies {list(want)}"
+            )
     unexpected = sorted(k for k in reader.tensors if k.startswith(_MODEL_KEY_PREFIXES) and k not in expected)
     if unexpected:
         more = f" and {len(unexpected) - 1} more" if len(unexpected) > 1 else ""
@@ -344,101 +347,3 @@ def mcore_to_hf(options: McoreToHfOptions) -> ConversionSummary:
         tensor_bytes=writer.bytes_written,
         seconds=time.perf_counter() - start,
     )
-
-
-# ----------------------------------------------------------------------------- CLI
-
-
-def parse_size(text: str) -> int:
-    """``5GB`` / ``500MB`` / ``64KiB`` / ``1000`` -> bytes (KB/MB/GB are powers of 10, like HF)."""
-    units = {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "KB": 10**3, "MB": 10**6, "GB": 10**9, "B": 1}
-    upper = text.strip().upper()
-    for suffix, factor in units.items():
-        if upper.endswith(suffix):
-            number = upper[: -len(suffix)].strip()
-            break
-    else:
-        number, factor = upper, 1
-    try:
-        value = int(float(number) * factor)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid size {text!r} (examples: 5GB, 500MB, 64KiB, 1000)") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"size must be positive, got {text!r}")
-    return value
-
-
-def add_hf_to_mcore_arguments(parser: argparse.ArgumentParser) -> None:
-    """Arguments of ``hf-to-mcore`` (also used by tools/convert_hf_to_mcore.py)."""
-    parser.add_argument("--hf", required=True, type=Path, help="HF model directory (config.json + *.safetensors)")
-    parser.add_argument("--out", required=True, type=Path, help="output directory (must not exist or be empty)")
-    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size to pad the vocabulary for (default 1)")
-    parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size to check the layer count against (default 1)")
-    parser.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
-                        help="pad embedding rows to a multiple of this times --tp (default 128)")
-    parser.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None, help="cast all tensors (default: keep)")
-
-
-def add_mcore_to_hf_arguments(parser: argparse.ArgumentParser) -> None:
-    """Arguments of ``mcore-to-hf`` (also used by tools/convert_mcore_to_hf.py)."""
-    parser.add_argument("--mcore", required=True, type=Path, help="megatron-core torch_dist checkpoint directory")
-    parser.add_argument("--out", required=True, type=Path, help="output directory (must not exist or be empty)")
-    parser.add_argument("--hf-config", type=Path, default=None,
-                        help=f"directory with config.json and tokenizer files (default: <mcore>/{HF_CONFIG_SUBDIR})")
-    parser.add_argument("--max-shard-size", type=parse_size, default=5 * 10**9,
-                        help="largest safetensors shard, e.g. 5GB (default), 500MB")
-    parser.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None, help="cast all tensors (default: keep)")
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add the ``hf-to-mcore`` / ``mcore-to-hf`` sub-commands to ``parser`` (dest ``convert_direction``)."""
-    sub = parser.add_subparsers(dest="convert_direction", required=True, metavar="{hf-to-mcore,mcore-to-hf}")
-    add_hf_to_mcore_arguments(sub.add_parser("hf-to-mcore", help="HF safetensors -> Megatron dist-checkpoint"))
-    add_mcore_to_hf_arguments(sub.add_parser("mcore-to-hf", help="Megatron dist-checkpoint -> HF safetensors"))
-
-
-def run(args: argparse.Namespace) -> int:
-    """Run the parsed command; returns the exit code (1 with a message on stderr for bad input)."""
-    try:
-        if args.convert_direction == "hf-to-mcore":
-            summary = hf_to_mcore(
-                HfToMcoreOptions(
-                    hf_dir=args.hf,
-                    out_dir=args.out,
-                    tp=args.tp,
-                    pp=args.pp,
-                    make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
-                    dtype=args.dtype,
-                )
-            )
-        elif args.convert_direction == "mcore-to-hf":
-            summary = mcore_to_hf(
-                McoreToHfOptions(
-                    mcore_dir=args.mcore,
-                    out_dir=args.out,
-                    hf_config_dir=args.hf_config,
-                    max_shard_bytes=args.max_shard_size,
-                    dtype=args.dtype,
-                )
-            )
-        else:
-            raise ValueError(f"unknown direction {args.convert_direction!r}")
-    except (ConversionError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    print(
-        f"{args.convert_direction}: wrote {summary.num_tensors} tensors ({summary.tensor_bytes / 2**30:.2f} GiB) "
-        f"of a {summary.model_type} model to {summary.out_dir} in {summary.seconds:.1f} s"
-    )
-    return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Stand-alone entry point: ``python -m megatron_rl.convert hf-to-mcore ...``."""
-    parser = argparse.ArgumentParser(prog="megatron-rl convert", description=__doc__.split("\n\n")[0])
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

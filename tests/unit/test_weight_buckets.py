@@ -1,11 +1,11 @@
-"""Bucketing and the flat bucket format of the weight sync (the Ray path is in tests/distributed)."""
+"""Bucketing and the bucket format of the weight sync (the Ray path is in tests/distributed)."""
 
 import pickle
 
 import pytest
 import torch
 
-from megatron_rl.rollout.weight_sync import bucket_named_tensors, make_bucket, unpack_bucket
+from megatron_rl.weight_buckets import bucket_named_tensors, make_bucket, unpack_bucket
 
 
 def _named(sizes):

@@ -1,4 +1,7 @@
-"""The ``math`` reward: math-verify on the last ``\\boxed{}`` of the response.
+"""math-verify on the last ``\\boxed{}`` of a response: the scoring behind the ``math`` task.
+
+The ``math`` task (:mod:`megatron_rl.tasks.math`) registers :func:`score_math` as its
+reward; this module registers nothing, so it can be used on its own.
 
 - The answer is the content of the LAST ``\\boxed{...}`` in the response whose braces
   balance (nested braces are fine; a truncated final box falls back to the one before).
@@ -22,7 +25,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from megatron_rl.rewards.registry import RewardResult, register_reward
+from megatron_rl.rewards.registry import RewardResult
 
 MAX_ANSWER_CHARS = 1000
 """Longest boxed answer parsed; longer ones are parse failures (sympy time grows fast)."""
@@ -132,9 +135,3 @@ def score_math(response: str, ground_truth: Any) -> RewardResult:
     except TimeoutException:
         return RewardResult(score=0.0, parse_failed=True, timed_out=True, extras={"answer": "timeout"})
     return RewardResult(score=1.0 if correct else 0.0, extras={"answer": "right" if correct else "wrong"})
-
-
-@register_reward("math", failure_score=0.0, success_score=1.0)
-def math_reward(response: str, ground_truth: Any) -> RewardResult:
-    """math-verify on the last ``\\boxed{}``: 1.0 right, 0.0 wrong or unparseable."""
-    return score_math(response, ground_truth)

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from megatron_rl.rollout.mismatch import logprob_mismatch
+from megatron_rl.algo.mismatch import logprob_mismatch
 
 
 def test_metrics_hand_case():

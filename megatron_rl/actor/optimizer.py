@@ -1,0 +1,100 @@
+"""The actor's optimizer: the run's ``OptimConfig`` mapped to megatron-core, in one place.
+
+:func:`build_optimizer` turns the optimizer settings (declared once, in
+``config.trainer.OptimConfig``) into megatron's ``OptimizerConfig`` + ``get_megatron_optimizer``
+(Adam; the DistributedOptimizer when ``actor.use_distributed_optimizer``) and its
+``OptimizerParamScheduler``. :func:`optimizer_step` is megatron's ``prepare_grads`` /
+``get_grad_norm`` / clip / ``step_with_ready_grads`` sequence with one extra rule: if
+the global loss or the gradient norm is not finite, the update is skipped (weights, Adam
+moments and step, LR schedule untouched).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from megatron_rl.actor import cpu_shim
+from megatron_rl.config.trainer import OptimConfig
+
+__all__ = ["build_optimizer", "optimizer_step"]
+
+
+def build_optimizer(
+    ddp: Any,
+    optim: OptimConfig,
+    *,
+    params_dtype: torch.dtype,
+    use_distributed_optimizer: bool,
+    lr_decay_steps: int,
+) -> tuple[Any, Any]:
+    """``(optimizer, scheduler)`` for the megatron-DDP-wrapped model ``ddp``.
+
+    Args:
+        optim: the optimizer settings (``trainer`` section).
+        params_dtype: the model's parameter dtype (bf16 keeps float32 master weights).
+        use_distributed_optimizer: shard the optimizer state over the DP group.
+        lr_decay_steps: optimizer steps of the whole run (cosine/linear decay length).
+    """
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    config = OptimizerConfig(
+        optimizer="adam",
+        lr=optim.lr,
+        min_lr=optim.min_lr,
+        weight_decay=optim.weight_decay,
+        adam_beta1=optim.adam_beta1,
+        adam_beta2=optim.adam_beta2,
+        adam_eps=optim.adam_eps,
+        clip_grad=optim.grad_clip or 0.0,
+        bf16=params_dtype == torch.bfloat16,
+        params_dtype=params_dtype,
+        use_distributed_optimizer=use_distributed_optimizer,
+    )
+    with cpu_shim.cuda_to_cpu():
+        optimizer = get_megatron_optimizer(config, [ddp])
+    decay_steps = max(lr_decay_steps, optim.lr_warmup_steps + 1, 1)
+    scheduler = OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0 if optim.lr_warmup_steps > 0 else optim.lr,
+        max_lr=optim.lr,
+        min_lr=optim.min_lr,
+        lr_warmup_steps=optim.lr_warmup_steps,
+        lr_decay_steps=decay_steps,
+        lr_decay_style=optim.lr_schedule,
+        start_wd=optim.weight_decay,
+        end_wd=optim.weight_decay,
+        wd_incr_steps=decay_steps,
+        wd_incr_style="constant",
+    )
+    return optimizer, scheduler
+
+
+def optimizer_step(optimizer: Any, scheduler: Any, *, grad_clip: float | None, loss_finite: bool) -> tuple[float, bool]:
+    """One optimizer step with a non-finite guard; returns (grad norm before clipping, updated).
+
+    Collective over megatron's grad-stats group: every rank gets the same norm and decision.
+    """
+    from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+    with torch.no_grad(), cpu_shim.cuda_to_cpu():
+        found_inf = optimizer.prepare_grads()
+        grad_norm = float(optimizer.get_grad_norm())
+        if found_inf or not loss_finite or not math.isfinite(grad_norm):
+            return grad_norm, False
+        if grad_clip:
+            for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+                params = opt.get_parameters()
+                if params:
+                    clip_grad_by_total_norm_fp32(
+                        params,
+                        max_norm=grad_clip,
+                        total_norm=grad_norm,
+                        use_decoupled_grad=opt.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8,
+                    )
+        optimizer.step_with_ready_grads()
+    scheduler.step(increment=1)
+    return grad_norm, True

@@ -1,0 +1,99 @@
+"""The ``data`` section (prompts and the task that scores them) and the ``logging`` section."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Literal
+
+from megatron_rl.config.model import require_positive_ints
+from megatron_rl.configlib import (
+    ConfigError,
+    check_literals,
+    renamed_fields,
+    require_range,
+)
+
+
+@renamed_fields(reward="task")
+@dataclass(kw_only=True)
+class DataConfig:
+    """Training and evaluation prompts, how they are templated, and the task that scores them."""
+
+    train_files: list[str] = field(default_factory=list)
+    """Training prompt files (``.jsonl`` or ``.parquet``), read in order and concatenated."""
+
+    eval_files: list[str] = field(default_factory=list)
+    """Evaluation prompt files, scored every ``trainer.eval_every_steps`` steps."""
+
+    prompt_key: str = "prompt"
+    """Column (key) of a row holding the prompt text."""
+
+    ground_truth_key: str = "ground_truth"
+    """Column (key) of a row holding what the reward function compares against."""
+
+    task: str = "kk_logic"
+    """The task: its prompt style, reward and eval grouping. A registered task
+    (``kk_logic``, ``math``, ``toy_copy``, or one a user registered), or
+    ``package.module:function`` for a user reward function (then a plain task: no system
+    prompt, no pre-fill); checked against the registry when the run starts. Formerly
+    ``data.reward``, which is still accepted."""
+
+    reward_timeout_s: float = 10.0
+    """Time limit for scoring one response; a response past it scores as a failed parse
+    (and is counted in ``reward/timeouts``)."""
+
+    num_reward_workers: int = 2
+    """Worker processes that score responses (model output is parsed there, never executed)."""
+
+    prompt_template: Literal["chat", "literal", "none"] = "chat"
+    """``chat``: the prompt as a user message in the tokenizer's chat template; ``literal``:
+    the task's own fixed template (as in the papers' code), without the tokenizer's;
+    ``none``: the prompt text is tokenised as is."""
+
+    shuffle: bool = True
+    """Shuffle training prompts (seeded by ``trainer.seed``) each pass over the data."""
+
+    def __post_init__(self) -> None:
+        check_literals(self)
+        require_range("reward_timeout_s", self.reward_timeout_s, gt=0.0)
+        require_range("num_reward_workers", self.num_reward_workers, ge=1)
+        for key in ("prompt_key", "ground_truth_key"):
+            if not getattr(self, key):
+                raise ConfigError(key, "got ''; must name a column")
+        name = self.task
+        if ":" in name:
+            module, _, func = name.partition(":")
+            if not module or not func or ":" in func:
+                raise ConfigError("task", f"got {name!r}; a user reward is written 'package.module:function'")
+        elif not name:
+            raise ConfigError("task", "got ''; must be a registered task name or 'module:function'")
+
+
+@dataclass(kw_only=True)
+class LoggingConfig:
+    """Run name, the metrics sink and diagnostics."""
+
+    run_name: str = "run"
+    """Name of the run; also the run directory's name under ``trainer.output_dir``."""
+
+    wandb_mode: Literal["offline", "online", "disabled"] = "offline"
+    """Weights & Biases mode: ``offline`` writes locally (sync later), ``online`` uploads,
+    ``disabled`` keeps only the JSONL metrics file."""
+
+    wandb_project: str = "megatron_rl"
+    """Weights & Biases project name."""
+
+    log_every_steps: int = 1
+    """Print and record metrics every this many steps."""
+
+    token_diagnostics: bool = False
+    """Also record token-probability diagnostics (quantiles of token probabilities and of
+    their gradient norms), at some extra cost per step."""
+
+    def __post_init__(self) -> None:
+        check_literals(self)
+        require_positive_ints(self, "log_every_steps")
+        name = self.run_name
+        if not name or name in (".", "..") or "/" in name or (os.sep in name) or "\\" in name:
+            raise ConfigError("run_name", f"got {name!r}; must be a plain directory name (no path separators)")

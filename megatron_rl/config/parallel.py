@@ -1,0 +1,76 @@
+"""The ``parallel`` section: how the actor is split over its ranks, and where Ray puts work."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from megatron_rl.config.model import require_positive_ints
+from megatron_rl.configlib import ConfigError, check_literals, require_range
+
+
+@dataclass(kw_only=True)
+class ParallelConfig:
+    """How the actor (trainer) model is split over its ranks (Megatron parallel sizes)."""
+
+    num_actor_ranks: int = 1
+    """Processes (GPUs, or CPU ranks) that train the actor."""
+
+    tensor_model_parallel_size: int = 1
+    """Tensor-parallel (TP) size: each layer's weights are split over this many ranks."""
+
+    pipeline_model_parallel_size: int = 1
+    """Pipeline-parallel (PP) size: the layers are split into this many stages."""
+
+    context_parallel_size: int = 1
+    """Context-parallel (CP) size: each sequence is split over this many ranks. Only 1 is
+    supported yet (a larger value is a config error)."""
+
+    data_parallel_size: int | None = None
+    """Data-parallel (DP) size; null derives it as ``num_actor_ranks / (TP * PP * CP)``."""
+
+    sequence_parallel: bool = False
+    """Megatron sequence parallelism (shards activations along the sequence within TP);
+    needs ``tensor_model_parallel_size > 1``. Not supported yet (true is a config error)."""
+
+    ray_scheduling: Literal["default", "spread"] = "default"
+    """How the actor ranks and the rollout engines are placed on the Ray cluster's nodes:
+    ``default`` leaves it to Ray (which tends to fill the driver's node first, so a small
+    run may use one node); ``spread`` splits each group into contiguous blocks, one per
+    alive node (rank ``i`` of ``k`` on node ``i * n // k``, pinned with Ray's node
+    affinity), so every node gets work and neighbouring ranks share a node. The actual
+    placement is written to ``RUN_DIR/placement.json`` at startup."""
+
+    def __post_init__(self) -> None:
+        check_literals(self)
+        require_positive_ints(
+            self, "num_actor_ranks", "tensor_model_parallel_size", "pipeline_model_parallel_size",
+            "context_parallel_size",
+        )  # fmt: skip
+        require_range("data_parallel_size", self.data_parallel_size, ge=1)
+        model_parallel = self.model_parallel_size
+        if self.num_actor_ranks % model_parallel:
+            raise ConfigError(
+                "num_actor_ranks",
+                f"got {self.num_actor_ranks}; must be a multiple of TP * PP * CP = {model_parallel}",
+            )
+        if self.data_parallel_size is not None and model_parallel * self.data_parallel_size != self.num_actor_ranks:
+            raise ConfigError(
+                "data_parallel_size",
+                f"got {self.data_parallel_size}; TP * PP * CP * DP = {model_parallel * self.data_parallel_size} "
+                f"must equal num_actor_ranks ({self.num_actor_ranks})",
+            )
+        if self.sequence_parallel and self.tensor_model_parallel_size == 1:
+            raise ConfigError(
+                "sequence_parallel", "got True; sequence parallelism needs tensor_model_parallel_size > 1"
+            )
+
+    @property
+    def model_parallel_size(self) -> int:
+        """Ranks that hold one copy of the model: ``TP * PP * CP``."""
+        return self.tensor_model_parallel_size * self.pipeline_model_parallel_size * self.context_parallel_size
+
+    @property
+    def resolved_data_parallel_size(self) -> int:
+        """``data_parallel_size``, derived from ``num_actor_ranks`` when unset."""
+        return self.num_actor_ranks // self.model_parallel_size

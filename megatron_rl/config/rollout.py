@@ -1,0 +1,140 @@
+"""The ``rollout`` section: engines, the batch of prompts, sampling, and the engine pool."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from megatron_rl.config.model import require_positive_ints
+from megatron_rl.configlib import ConfigError, check_literals, require_range
+
+
+@dataclass(kw_only=True)
+class SamplingSettings:
+    """How tokens are sampled: declared once here for ``rollout`` (the run's setting) and
+    for the engines' per-request ``SamplingParams`` (which extend this class)."""
+
+    temperature: float = 1.0
+    """Softmax temperature; the actor scales its logits by the same value for the
+    old-policy log-probs. ``rollout.temperature`` must be > 0; a single request may use 0
+    for greedy decoding (its log-probs are then reported at temperature 1)."""
+
+    top_p: float = 1.0
+    """Nucleus-sampling mass in (0, 1]; 1 disables it."""
+
+    top_k: int = -1
+    """Sample among the ``top_k`` most likely tokens; -1 disables it."""
+
+    max_new_tokens: int = 64
+    """Most response tokens generated per sample."""
+
+    def __post_init__(self) -> None:
+        require_range("temperature", self.temperature, ge=0.0)
+        require_range("top_p", self.top_p, gt=0.0, le=1.0)
+        if self.top_k != -1 and self.top_k <= 0:
+            raise ConfigError("top_k", f"got {self.top_k!r}; must be -1 (disabled) or > 0")
+        require_positive_ints(self, "max_new_tokens")
+
+
+@dataclass(kw_only=True)
+class PoolConfig:
+    """How the pool of rollout engines dispatches requests and recovers from failures."""
+
+    max_restarts: int = 3
+    """Times Ray restarts a dead engine actor (-1: unlimited)."""
+
+    restart_timeout_s: float = 300.0
+    """How long to wait for a (re)started engine to answer before giving up on it."""
+
+    request_timeout_s: float | None = None
+    """An engine with work that finishes no request for this long is treated as hung: it
+    is killed (Ray restarts it) and its requests are retried; null waits forever."""
+
+    max_prompts_per_request: int | None = None
+    """Prompts per request; null splits a call evenly into one request per live engine."""
+
+    max_inflight_requests_per_engine: int = 2
+    """Requests queued on one engine at a time (2 keeps it busy between requests)."""
+
+    max_inflight_buckets: int = 2
+    """Weight-sync buckets being loaded at once; bounds the extra host memory of a sync
+    at about this many buckets."""
+
+    keep_weights_for_restart: bool = True
+    """Keep the last sync's buckets in the object store (one model copy) so a restarted
+    engine gets the current weights back; false saves that memory, and a restart after
+    the first sync becomes an error."""
+
+    def __post_init__(self) -> None:
+        require_range("max_restarts", self.max_restarts, ge=-1)
+        require_range("restart_timeout_s", self.restart_timeout_s, gt=0.0)
+        require_range("request_timeout_s", self.request_timeout_s, gt=0.0)
+        require_range("max_prompts_per_request", self.max_prompts_per_request, ge=1)
+        require_positive_ints(self, "max_inflight_requests_per_engine", "max_inflight_buckets")
+
+
+@dataclass(kw_only=True)
+class RolloutConfig(SamplingSettings):
+    """Response generation: the engines, the batch of prompts and the sampling settings."""
+
+    engine: str = "hf"
+    """``hf``: ``transformers`` generation (CPU default); ``vllm``: vLLM engines (GPU); or
+    ``package.module:Class`` for a user ``RolloutEngine`` subclass (constructed as
+    ``Class(model_path, name=..., **engine_args)``)."""
+
+    num_engines: int = 1
+    """Rollout engine replicas (Ray actors); prompts are spread over them."""
+
+    placement: Literal["colocated", "disaggregated"] = "colocated"
+    """``colocated``: engines share the actor's devices, time-sliced (sleep/wake);
+    ``disaggregated``: engines get devices of their own (not supported yet: a config error)."""
+
+    num_prompts_per_step: int = 8
+    """Prompts drawn from the training data per RL step."""
+
+    num_samples_per_prompt: int = 4
+    """Responses sampled per prompt (the GRPO group size)."""
+
+    max_prompt_tokens: int = 128
+    """Longest prompt in tokens; longer prompts are an error naming the data row."""
+
+    engine_args: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments handed to the engine unchanged (for ``vllm``, the ``vllm.LLM``
+    engine arguments such as ``gpu_memory_utilization``); not re-declared here."""
+
+    weight_sync_bucket_mb: int = 512
+    """Size of one bucket of HF-named tensors sent from the actor to the engines, in MiB."""
+
+    tis_cap: float | None = None
+    """Truncated importance sampling: weight each token by ``min(p_actor / p_engine, tis_cap)``
+    to correct the engine/actor probability mismatch; null disables it (typical: 2)."""
+
+    pool: PoolConfig = field(default_factory=PoolConfig)
+    """Request dispatch and failure recovery of the engine pool."""
+
+    def __post_init__(self) -> None:
+        check_literals(self)
+        require_range("temperature", self.temperature, gt=0.0)  # a rollout is never greedy
+        super().__post_init__()
+        require_positive_ints(
+            self, "num_engines", "num_prompts_per_step", "num_samples_per_prompt", "max_prompt_tokens",
+            "weight_sync_bucket_mb",
+        )  # fmt: skip
+        require_range("tis_cap", self.tis_cap, ge=1.0)
+        if self.engine not in ("hf", "vllm"):
+            module, sep, cls = self.engine.partition(":")
+            if not (sep and module and cls) or ":" in cls:
+                raise ConfigError(
+                    "engine",
+                    f"got {self.engine!r}; allowed values: 'hf', 'vllm', or 'package.module:Class' for a user engine",
+                )
+
+    @property
+    def num_samples_per_step(self) -> int:
+        """Responses generated per RL step: ``num_prompts_per_step * num_samples_per_prompt``."""
+        return self.num_prompts_per_step * self.num_samples_per_prompt
+
+    @property
+    def max_sequence_tokens(self) -> int:
+        """Longest prompt + response in tokens."""
+        return self.max_prompt_tokens + self.max_new_tokens

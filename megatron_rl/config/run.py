@@ -1,0 +1,155 @@
+"""``RunConfig``: a whole run, one section per component, and its loader."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from megatron_rl.algo.config import AlgorithmConfig
+from megatron_rl.config.data import DataConfig, LoggingConfig
+from megatron_rl.config.model import ModelConfig, TinyModelConfig
+from megatron_rl.config.parallel import ParallelConfig
+from megatron_rl.config.rollout import RolloutConfig
+from megatron_rl.config.trainer import ActorConfig, TrainerConfig
+from megatron_rl.configlib import ConfigError, load_config, render_docs, warn_config
+
+
+def _default_model() -> ModelConfig:
+    # The default run is the tiny CPU one; a `model:` section in YAML starts from
+    # ModelConfig's own defaults and must name hf_config or tiny itself.
+    return ModelConfig(tiny=TinyModelConfig())
+
+
+@dataclass(kw_only=True)
+class RunConfig:
+    """A whole RL run: one section per component, each documented field by field."""
+
+    model: ModelConfig = field(default_factory=_default_model)
+    """The policy model, its initial weights and numerics."""
+
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """How the actor is split over ranks."""
+
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """Response generation."""
+
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    """Advantages and the per-token policy loss (GRPO family, AR, Lopti, TR-GRPO, STAPO)."""
+
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    """The optimisation loop and the optimizer."""
+
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    """Megatron-actor settings (optimizer sharding, checkpoint format, loss chunking)."""
+
+    data: DataConfig = field(default_factory=DataConfig)
+    """Prompts and the task that scores them."""
+
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    """Run name and metrics."""
+
+    def __post_init__(self) -> None:
+        self._check_batching()
+        self._check_model_fits()
+        self._check_supported()
+        self._warn_ignored()
+
+    @property
+    def run_dir(self) -> Path:
+        """Where this run writes everything: ``trainer.output_dir / logging.run_name``."""
+        return Path(self.trainer.output_dir) / self.logging.run_name
+
+    def _check_batching(self) -> None:
+        samples = self.rollout.num_samples_per_step
+        minibatches = self.trainer.num_minibatches_per_step
+        if samples % minibatches:
+            raise ConfigError(
+                "trainer.num_minibatches_per_step",
+                f"got {minibatches}; must divide rollout.num_prompts_per_step * rollout.num_samples_per_prompt "
+                f"= {samples}",
+            )
+        longest = self.rollout.max_sequence_tokens
+        if self.trainer.max_tokens_per_microbatch < longest:
+            raise ConfigError(
+                "trainer.max_tokens_per_microbatch",
+                f"got {self.trainer.max_tokens_per_microbatch}; must hold one whole sequence: "
+                f"rollout.max_prompt_tokens + rollout.max_new_tokens = {longest}",
+            )
+
+    def _check_model_fits(self) -> None:
+        """Checks that need the architecture, possible only for the inline ``tiny`` model."""
+        tiny, par = self.model.tiny, self.parallel
+        if tiny is None:
+            return  # an HF config is read when the run starts; it is checked there
+        tp, pp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size
+        for name in ("num_attention_heads", "num_key_value_heads"):
+            if getattr(tiny, name) % tp:
+                raise ConfigError(
+                    "parallel.tensor_model_parallel_size",
+                    f"got {tp}; must divide model.tiny.{name} ({getattr(tiny, name)})",
+                )
+        if tiny.num_layers % pp:
+            raise ConfigError(
+                "parallel.pipeline_model_parallel_size",
+                f"got {pp}; must divide model.tiny.num_layers ({tiny.num_layers})",
+            )
+        if self.rollout.max_sequence_tokens > tiny.max_position_embeddings:
+            raise ConfigError(
+                "rollout.max_new_tokens",
+                f"rollout.max_prompt_tokens + rollout.max_new_tokens = {self.rollout.max_sequence_tokens} "
+                f"exceeds model.tiny.max_position_embeddings ({tiny.max_position_embeddings})",
+            )
+
+    def _check_supported(self) -> None:
+        """Settings the sections accept but the run cannot act on yet: an error, never a no-op."""
+        par = self.parallel
+        if par.context_parallel_size > 1:
+            raise ConfigError(
+                "parallel.context_parallel_size",
+                f"got {par.context_parallel_size}; context parallelism is not supported yet",
+            )
+        if par.sequence_parallel:
+            raise ConfigError("parallel.sequence_parallel", "got True; sequence parallelism is not supported yet")
+        if self.rollout.placement != "colocated":
+            raise ConfigError("rollout.placement", f"got {self.rollout.placement!r}; only 'colocated' is supported yet")
+
+    def _warn_ignored(self) -> None:
+        algo = self.algorithm
+        if algo.stapo.enabled and algo.kl_coef > 0.0:
+            warn_config("algorithm.kl_coef", f"{algo.kl_coef} with STAPO enabled; the STAPO paper uses no KL term")
+        if algo.constant_normalizer is not None and algo.aggregation != "seq_mean_token_sum_norm":
+            warn_config(
+                "algorithm.constant_normalizer",
+                f"{algo.constant_normalizer} is ignored because algorithm.aggregation is {algo.aggregation!r}",
+            )
+        if self.rollout.num_samples_per_prompt == 1 and algo.advantage.estimator in ("grpo", "dr_grpo", "rloo"):
+            warn_config(
+                "rollout.num_samples_per_prompt",
+                f"1 with the group-baseline estimator {algo.advantage.estimator!r}: a group of one has no baseline",
+            )
+        if self.trainer.eval_every_steps > 0 and not self.data.eval_files:
+            warn_config("trainer.eval_every_steps", "is ignored because data.eval_files is empty")
+
+
+def load_run_config(yaml_path: str | os.PathLike[str], overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """Load a :class:`RunConfig` from ``yaml_path`` with dotted ``section.field=value`` overrides."""
+    return load_config(RunConfig, yaml_path, overrides)
+
+
+DOCS_PATH = Path(__file__).resolve().parents[2] / "docs" / "config.md"
+"""Where the generated field reference lives in a source checkout."""
+
+
+def config_reference() -> str:
+    """The Markdown field reference of :class:`RunConfig` (the content of ``docs/config.md``)."""
+    intro = (
+        "Every field of a run config, with its type, default and meaning. A run is one YAML\n"
+        "file of these sections (see `examples/tiny_cpu.yaml`); any field can be overridden on\n"
+        "the command line as `section.field=value`, e.g.\n"
+        "`megatron-rl train examples/tiny_cpu.yaml trainer.lr=1e-6 algorithm.ar.alpha=0.3`.\n"
+        "The resolved config is saved as `config.yaml` in the run directory."
+    )
+    return render_docs(
+        RunConfig, title="Run config reference", intro=intro, regenerate="python -m megatron_rl.config > docs/config.md"
+    )

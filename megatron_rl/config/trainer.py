@@ -1,0 +1,148 @@
+"""The ``trainer`` section (the loop, the update schedule and the optimizer) and the
+``actor`` section (Megatron-actor settings)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from megatron_rl.config.model import require_positive_ints
+from megatron_rl.configlib import (
+    ConfigError,
+    check_literals,
+    require_range,
+    warn_config,
+)
+
+
+@dataclass(kw_only=True)
+class OptimConfig:
+    """The optimizer and its learning-rate schedule (Adam, megatron-core's optimizer).
+
+    Declared once here; the ``trainer`` section extends this class (so the YAML keys are
+    ``trainer.lr``, ``trainer.weight_decay``, ...) and the actor receives it whole,
+    mapped to megatron's ``OptimizerConfig`` in one function (``actor/optimizer.py``).
+    """
+
+    lr: float = 1e-6
+    """Peak learning rate of Adam."""
+
+    lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
+    """Decay after warm-up: ``constant``, or ``cosine``/``linear`` down to ``min_lr`` at the
+    run's last optimizer step."""
+
+    lr_warmup_steps: int = 0
+    """Optimizer steps of linear warm-up from 0 to ``lr``."""
+
+    min_lr: float = 0.0
+    """Final learning rate of the ``cosine`` and ``linear`` schedules."""
+
+    weight_decay: float = 0.01
+    """Decoupled (AdamW) weight decay."""
+
+    adam_beta1: float = 0.9
+    """Adam's first-moment decay."""
+
+    adam_beta2: float = 0.999
+    """Adam's second-moment decay."""
+
+    adam_eps: float = 1e-8
+    """Adam's denominator epsilon."""
+
+    grad_clip: float | None = 1.0
+    """Clip the global gradient norm to this value; null disables clipping."""
+
+    def __post_init__(self) -> None:
+        check_literals(self)
+        require_range("lr", self.lr, gt=0.0)
+        require_range("lr_warmup_steps", self.lr_warmup_steps, ge=0)
+        require_range("min_lr", self.min_lr, ge=0.0, le=self.lr)
+        require_range("weight_decay", self.weight_decay, ge=0.0)
+        require_range("adam_beta1", self.adam_beta1, ge=0.0, lt=1.0)
+        require_range("adam_beta2", self.adam_beta2, ge=0.0, lt=1.0)
+        require_range("adam_eps", self.adam_eps, gt=0.0)
+        require_range("grad_clip", self.grad_clip, gt=0.0)
+        if self.lr_schedule == "constant" and self.min_lr != 0.0:
+            warn_config("min_lr", f"{self.min_lr!r} is ignored because lr_schedule is 'constant'")
+
+
+@dataclass(kw_only=True)
+class TrainerConfig(OptimConfig):
+    """The optimisation loop: steps, the update schedule, the optimizer, checkpoints."""
+
+    num_steps: int = 20
+    """RL steps (rollout + update) to run."""
+
+    num_minibatches_per_step: int = 1
+    """Optimizer updates per RL step and update pass: the step's responses are split into
+    this many mini-batches (must divide ``num_prompts_per_step * num_samples_per_prompt``)."""
+
+    num_epochs_per_step: int = 1
+    """Passes over the step's responses (each pass makes ``num_minibatches_per_step`` updates)."""
+
+    max_tokens_per_microbatch: int = 4096
+    """Token budget of one forward/backward micro-batch (responses are packed up to it);
+    a mini-batch's gradient is accumulated over its micro-batches."""
+
+    seed: int = 1234
+    """Seed of model init, data order and sampling."""
+
+    save_every_steps: int = 0
+    """Write a checkpoint every this many steps (and at the end); 0 saves only at the end."""
+
+    eval_every_steps: int = 0
+    """Evaluate on ``data.eval_files`` every this many steps; 0 disables evaluation."""
+
+    max_consecutive_nonfinite_steps: int = 3
+    """A step whose loss or gradient norm is not finite is skipped; this many in a row stop
+    the run (the last good checkpoint is kept)."""
+
+    resume: str = "auto"
+    """``auto``: continue from the run directory's latest checkpoint if there is one;
+    ``never``: start fresh; any other value is the path of a checkpoint to resume from."""
+
+    output_dir: str = "runs"
+    """Parent directory of run directories; a run writes to ``output_dir/logging.run_name``."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require_positive_ints(
+            self, "num_steps", "num_minibatches_per_step", "num_epochs_per_step", "max_tokens_per_microbatch",
+            "max_consecutive_nonfinite_steps",
+        )  # fmt: skip
+        require_range("save_every_steps", self.save_every_steps, ge=0)
+        require_range("eval_every_steps", self.eval_every_steps, ge=0)
+        if not self.resume.strip():
+            raise ConfigError("resume", "got ''; use 'auto', 'never' or a checkpoint path")
+        if not self.output_dir.strip():
+            raise ConfigError("output_dir", "got ''; must be a directory path")
+        if self.lr_warmup_steps > self.num_steps:
+            warn_config("lr_warmup_steps", f"{self.lr_warmup_steps} exceeds num_steps ({self.num_steps})")
+
+    @property
+    def resume_path(self) -> Path | None:
+        """The explicit checkpoint to resume from, or ``None`` for ``auto``/``never``."""
+        return None if self.resume in ("auto", "never") else Path(self.resume)
+
+
+@dataclass(kw_only=True)
+class ActorConfig:
+    """Settings of the Megatron actor that are neither architecture nor optimizer."""
+
+    use_distributed_optimizer: bool = True
+    """Shard the optimizer state over the data-parallel ranks (megatron's
+    DistributedOptimizer)."""
+
+    checkpoint_optimizer_sharding: Literal["dp_reshardable", "fully_reshardable"] = "dp_reshardable"
+    """Optimizer-state format of saved checkpoints: ``dp_reshardable`` (no gathering;
+    restores at another DP size, and at another TP/PP restarts Adam with a warning) or
+    ``fully_reshardable`` (gathered per parameter; loads at any TP/PP/DP)."""
+
+    logits_chunk_tokens: int | None = None
+    """Tokens per chunk of the fused loss; null sizes chunks to about 4 MiB of float32
+    logits."""
+
+    def __post_init__(self) -> None:
+        check_literals(self)
+        require_range("logits_chunk_tokens", self.logits_chunk_tokens, ge=1)

@@ -1,0 +1,100 @@
+"""YAML reading (numbers as YAML 1.2 reads them, duplicate keys rejected) and dotted overrides."""
+
+from __future__ import annotations
+
+import copy
+import re
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import yaml
+
+from megatron_rl.configlib.errors import ConfigError
+
+# PyYAML implements YAML 1.1, whose float pattern needs a dot (``1.0e-6``), so ``lr: 1e-6``
+# would arrive as the STRING '1e-6'. YAML 1.2 and every reader expect a number.
+_EXP_FLOAT_RE = re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$")
+
+
+class _YamlLoader(yaml.SafeLoader):
+    """``SafeLoader`` that reads ``1e-6`` as a float and rejects duplicate keys.
+
+    PyYAML silently keeps the last of two equal keys, which hides the first setting.
+    """
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[str, yaml.Mark] = {}
+        for key_node, _ in node.value:
+            # Keys pulled in by a merge (``<<: *base``) may legitimately be overridden.
+            if isinstance(key_node, yaml.ScalarNode) and key_node.tag != "tag:yaml.org,2002:merge":
+                if key_node.value in seen:
+                    raise yaml.constructor.ConstructorError(
+                        "while constructing a mapping",
+                        node.start_mark,
+                        f"found duplicate key {key_node.value!r} (first set on line {seen[key_node.value].line + 1})",
+                        key_node.start_mark,
+                    )
+                seen[key_node.value] = key_node.start_mark
+        return super().construct_mapping(node, deep=deep)
+
+
+_YamlLoader.add_implicit_resolver("tag:yaml.org,2002:float", _EXP_FLOAT_RE, list("-+0123456789."))
+
+
+def parse_yaml(text: str, source: str = "<string>") -> Any:
+    """Parse YAML ``text``; a syntax error becomes a :class:`ConfigError` naming ``source`` and line."""
+    try:
+        return yaml.load(text, Loader=_YamlLoader)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"{source}, line {mark.line + 1}, column {mark.column + 1}" if mark else source
+        problem = getattr(e, "problem", None) or str(e)
+        context = getattr(e, "context", None)
+        detail = f"{context}: {problem}" if context else problem
+        raise ConfigError("", f"YAML syntax error in {where}: {detail}") from None
+
+
+def parse_override_value(text: str) -> Any:
+    """The value of one ``key=value`` override, read as YAML (``1e-6``, ``true``, ``null``, ``[1,2]``).
+
+    An empty value is the empty string. Text that is not valid YAML (``*.jsonl`` reads as
+    an alias) is kept as a string; the field's type check still applies to it.
+    """
+    if not text.strip():
+        return ""
+    try:
+        return yaml.load(text, Loader=_YamlLoader)
+    except yaml.YAMLError:
+        return text
+
+
+def apply_overrides(data: Mapping[str, Any], overrides: Iterable[str]) -> dict[str, Any]:
+    """A copy of raw config ``data`` with dotted ``a.b.c=value`` overrides applied in order.
+
+    Missing (or null) intermediate sections are created, so that a misspelt key reaches
+    :func:`from_dict` and gets its "did you mean" error there, in one place.
+    """
+    result: dict[str, Any] = copy.deepcopy(dict(data))
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise ConfigError(
+                "", f"malformed override {item!r}: expected KEY=VALUE with a dotted key, e.g. trainer.lr=1e-6"
+            )
+        parts = key.split(".")
+        if not all(parts):
+            raise ConfigError("", f"malformed override {item!r}: empty name in dotted key {key!r}")
+        node = result
+        for i, part in enumerate(parts[:-1]):
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            elif not isinstance(child, dict):
+                raise ConfigError(
+                    ".".join(parts[: i + 1]),
+                    f"cannot apply override {item!r}: the field holds {child!r}, not a section",
+                )
+            node = child
+        node[parts[-1]] = parse_override_value(raw)
+    return result
