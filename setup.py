@@ -19,7 +19,8 @@ INSTALL_REQUIRES = [
     "psutil>=5.9",  # megatron dist-checkpointing needs it but does not declare it
     "numpy>=1.26",
     "ray>=2.60,<2.61",
-    "transformers>=5.23,<5.24",
+    # One range that vllm-cpu 0.32 (CPU) and vllm 0.32 (CUDA, the gpu extra) both accept.
+    "transformers>=5.16.1,<5.20",
     "safetensors>=0.8,<0.9",
     "tokenizers>=0.23,<0.24",
     "pyyaml>=6.0",
@@ -28,14 +29,15 @@ INSTALL_REQUIRES = [
     "math-verify>=0.9,<0.10",
     "matplotlib>=3.9,<4",  # tools/plot_run.py (Agg backend, no display)
     "pyarrow>=26,<27",  # .parquet datasets (megatron_rl.data.loaders)
+    # FP8 rollout weights (weight_transfer.fp8); pure Python, installs on CPU machines too.
+    "nvidia-modelopt>=0.47,<0.48",
 ]
 
 EXTRAS_REQUIRE = {
-    # CUDA machines only: none of these has a CPU wheel.
+    # CUDA machines only: neither has a CPU wheel (vLLM on CPU: tools/install_vllm_cpu.sh).
     "gpu": [
         "transformer-engine[pytorch]>=2.8",
-        "vllm>=0.11",
-        "nvidia-modelopt>=0.37",
+        "vllm>=0.32,<0.33",  # requires torch==2.13.0, the pin above
     ],
     "test": [
         "pytest>=8",
@@ -58,6 +60,10 @@ setup(
     include_package_data=True,
     install_requires=INSTALL_REQUIRES,
     extras_require=EXTRAS_REQUIRE,
-    entry_points={"console_scripts": ["megatron-rl=megatron_rl.commands:main"]},
+    entry_points={
+        "console_scripts": ["megatron-rl=megatron_rl.commands:main"],
+        # Loaded by vLLM in each of its processes: registers the gloo weight-transfer backend.
+        "vllm.general_plugins": ["megatron_rl_weight_transfer=megatron_rl.weight_transfer.vllm_backend:register"],
+    },
     license="Apache-2.0",
 )

@@ -3,16 +3,19 @@
 The only module that maps the whole run config onto components: each component gets
 the sections it needs, by reference. Order matters and is the same on every run:
 
-1. cheap and strict first, so a bad file, row or name fails before any process
-   starts: the tokenizer, the task, the data rows (rendered and tokenised on demand by
-   a :class:`~megatron_rl.data.source.PromptSource`), the architecture;
+1. cheap and strict first, so a bad file, row, name or checkpoint fails before any
+   process starts: :func:`~megatron_rl.preflight.preflight` (the task, the architecture,
+   the engine, the checkpoint to resume from, the tokenizer, every data row, the run
+   directory); the rows are then drawn by a :class:`~megatron_rl.data.source.PromptSource`;
 2. Ray, then the actor ranks (:class:`~megatron_rl.actor.ray_group.ActorGroup`, built
    from an :class:`~megatron_rl.actor.spec.ActorSpec`) with their initial weights;
-3. the directory the rollout engines load (config + tokenizer + the actor's initial
-   weights), then the engine pool;
+3. the directory the rollout engines start from (the run's HF directory, or config +
+   tokenizer + the actor's initial weights streamed by its rank 0), the engine pool, and
+   the run's weight sync (``weight_sync.py``, transport from ``rollout.weight_transport``);
 4. the reward workers and the metrics sink.
 
-Placement (where each actor rank and engine runs) comes from :mod:`megatron_rl.placement`.
+Placement (where each actor rank and engine runs) comes from :mod:`megatron_rl.placement`:
+placement groups on a GPU cluster, checked against the cluster before any actor starts.
 """
 
 from __future__ import annotations
@@ -27,21 +30,30 @@ from typing import Any
 import ray
 import torch
 
-from megatron_rl.actor.ray_group import ActorGroup
+from megatron_rl.actor.ray_group import ActorGroup, is_hf_directory
 from megatron_rl.actor.spec import ActorSpec
 from megatron_rl.config import RunConfig
 from megatron_rl.configlib import save_resolved, to_dict
-from megatron_rl.data.loaders import load_rows
-from megatron_rl.data.prompts import PromptEncoder
 from megatron_rl.data.source import PromptSource
 from megatron_rl.models import adapter_for_config
 from megatron_rl.observability import MetricsSink
-from megatron_rl.placement import actor_placement, engine_placement, write_placement
+from megatron_rl.placement import (
+    GroupPlacement,
+    RunPlacement,
+    actor_placement,
+    alive_nodes,
+    engine_placement,
+    place_on_gpus,
+    plan_gpu_placement,
+    write_placement,
+)
+from megatron_rl.preflight import Preflight, preflight
 from megatron_rl.rewards import RewardPool
 from megatron_rl.rollout.pool import RolloutPool
-from megatron_rl.tasks import Task, get_task
+from megatron_rl.tasks import Task
+from megatron_rl.weight_sync import WeightSync, resolve_transport
 
-__all__ = ["Run", "actor_spec", "build_run", "resume_source"]
+__all__ = ["Run", "actor_spec", "build_run"]
 
 
 @dataclass
@@ -62,27 +74,24 @@ class Run:
     """The Megatron actor's ranks."""
     pool: RolloutPool
     """The rollout engines."""
+    weight_sync: WeightSync
+    """The actor's weights into the engines, one version per step."""
     rewards: RewardPool
     """Time-limited workers scoring responses with the task's reward."""
     sink: MetricsSink
     """Metrics to ``RUN_DIR/metrics.jsonl`` (and wandb)."""
+    placement: RunPlacement | None = None
+    """The placement groups of a GPU cluster (None on CPU)."""
 
     def close(self) -> None:
         """Stop the engines, actor ranks and reward workers; flush the metrics."""
         self.sink.close()
         self.rewards.close()
+        self.weight_sync.close()
         self.pool.shutdown()
         self.actors.shutdown()
-
-
-def hf_config_dict(config: RunConfig) -> dict[str, Any]:
-    """The architecture as a HF ``config.json`` dict (the tiny model's, or read from disk)."""
-    if config.model.tiny is not None:
-        return config.model.tiny.to_hf_config_dict()
-    path = Path(config.model.hf_config)
-    path = path / "config.json" if path.is_dir() else path
-    with open(path) as f:
-        return json.load(f)
+        if self.placement is not None:
+            self.placement.remove()
 
 
 def actor_spec(config: RunConfig) -> ActorSpec:
@@ -99,83 +108,59 @@ def actor_spec(config: RunConfig) -> ActorSpec:
     )
 
 
-def resume_source(config: RunConfig, checkpoint_dir: Path) -> Path | None:
-    """The checkpoint ``trainer.resume`` names: ``auto`` -> the run's latest (if any)."""
-    mode = config.trainer.resume
-    if mode == "never":
-        if (checkpoint_dir / "latest").exists():
-            raise FileExistsError(
-                f"{checkpoint_dir.parent} already holds checkpoints and trainer.resume is 'never': choose another "
-                "logging.run_name or trainer.output_dir, or resume"
-            )
-        return None
-    if mode == "auto":
-        return checkpoint_dir if (checkpoint_dir / "latest").exists() else None
-    path = config.trainer.resume_path
-    if not path.exists():
-        raise FileNotFoundError(f"config field 'trainer.resume': checkpoint {mode!r} does not exist")
-    return path
+def _engine_model_dir(config: RunConfig, run_dir: Path, hf_config: dict[str, Any], tokenizer, actors: ActorGroup) -> Path:
+    """The HF directory the engines start from (weight version 0).
 
-
-def _tokenizer(config: RunConfig):
-    from transformers import AutoTokenizer
-
-    source = config.model.tokenizer or config.model.hf_config or config.model.checkpoint
-    if source is None:
-        raise ValueError("config field 'model.tokenizer': a tokenizer directory is needed (the tiny model has none)")
-    path = Path(source)
-    if path.is_file():
-        path = path.parent
-    if not path.exists():
-        raise FileNotFoundError(f"config field 'model.tokenizer': {str(path)!r} does not exist")
-    return AutoTokenizer.from_pretrained(str(path))
-
-
-def _write_engine_model_dir(directory: Path, hf_config: dict[str, Any], tokenizer, weights: dict[str, torch.Tensor]):
-    """config.json + tokenizer + safetensors of the actor's initial weights, for the engines."""
-    from safetensors.torch import save_file
-
+    A run that starts from a HF directory hands it to the engines unchanged. Otherwise
+    (random init, a Megatron checkpoint) ``RUN_DIR/engine_init`` gets the config, the
+    tokenizer, and the actor's initial weights, streamed to disk by the actor's rank 0
+    one tensor at a time (never the whole model in the driver); written under ``.tmp``
+    and renamed, so a crash leaves no half-written directory.
+    """
+    initial = config.model.initial_weights
+    if initial is not None and is_hf_directory(initial):
+        return Path(initial)
+    directory = run_dir / "engine_init"
     tmp = directory.with_name(directory.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    config = dict(hf_config)
-    config.setdefault("architectures", [adapter_for_config(config).architecture or "AutoModelForCausalLM"])
-    config.setdefault("torch_dtype", "float32")
-    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    dtype = config.model.dtype or "float32"
+    hf = dict(hf_config)
+    hf.setdefault("architectures", [adapter_for_config(hf).architecture or "AutoModelForCausalLM"])
+    hf["torch_dtype"] = dtype
+    (tmp / "config.json").write_text(json.dumps(hf, indent=2))
     tokenizer.save_pretrained(str(tmp))
-    save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp / "model.safetensors"))
+    actors.write_hf_weights(str(tmp), dtype=dtype)
     shutil.rmtree(directory, ignore_errors=True)
     os.rename(tmp, directory)
+    return directory
 
 
-def build_run(config: RunConfig) -> Run:
-    """Every component of the run, in the order the module docstring gives."""
+def _placements(config: RunConfig) -> tuple[GroupPlacement, GroupPlacement, RunPlacement | None]:
+    """Actor and engine placements: placement groups on a GPU cluster (a layout that does
+    not fit raises ``PlacementError`` before any actor starts), plain options on CPU."""
+    nodes = alive_nodes()
+    if not any(n.num_gpus for n in nodes):
+        return actor_placement(config.parallel), engine_placement(config.rollout, config.parallel), None
+    placed = place_on_gpus(plan_gpu_placement(config.parallel, config.rollout, nodes))
+    return placed.actor, placed.engines, placed
+
+
+def build_run(config: RunConfig, *, checked: Preflight | None = None) -> Run:
+    """Every component of the run, in the order the module docstring gives (``checked``: the
+    pre-flight's result, when the caller ran it already)."""
     run_dir = config.run_dir
     checkpoint_dir = run_dir / "checkpoints"
-    resume_from = resume_source(config, checkpoint_dir)
-
-    # Cheap and strict first: a bad data file fails before any process starts.
-    tokenizer = _tokenizer(config)
-    task = get_task(config.data.task)
-    keys = {"prompt_key": config.data.prompt_key, "ground_truth_key": config.data.ground_truth_key}
-    train_rows = load_rows(config.data.train_files, **keys)
-    eval_rows = load_rows(config.data.eval_files, **keys) if config.data.eval_files else []
-    hf_config = hf_config_dict(config)
-    if len(tokenizer) > hf_config["vocab_size"]:
-        raise ValueError(
-            f"config field 'model': the tokenizer has {len(tokenizer)} tokens but the model's "
-            f"vocab_size is {hf_config['vocab_size']}"
-        )
-    encoder = PromptEncoder(
-        tokenizer,
-        template=config.data.prompt_template,
-        style=task.prompt_style,
-        max_prompt_tokens=config.rollout.max_prompt_tokens,
-    )
+    # Cheap and strict first: every path, name, row and the checkpoint to resume from are
+    # checked before any process starts (``preflight``; ``--dry-run`` runs the same).
+    checked = checked or preflight(config)
+    resume_from, task, tokenizer, hf_config = checked.resume.path, checked.task, checked.tokenizer, checked.hf_config
+    train_rows, eval_rows, encoder = checked.train_rows, checked.eval_rows, checked.encoder
     prompts = PromptSource(
         train_rows, eval_rows, encoder=encoder, seed=config.trainer.seed, shuffle=config.data.shuffle
     )  # fmt: skip
 
+    transport, backend = resolve_transport(config.rollout, cuda=torch.cuda.is_available())
     run_dir.mkdir(parents=True, exist_ok=True)
     save_resolved(config, run_dir)
     if not ray.is_initialized():
@@ -185,24 +170,20 @@ def build_run(config: RunConfig) -> Run:
             log_to_driver=True,
             configure_logging=False,
         )
-    cuda = torch.cuda.is_available()
-    actors = ActorGroup(actor_spec(config), actor_placement(config.parallel, cuda=cuda))
-    initial = config.model.initial_weights
-    if initial is not None:
-        if (Path(initial) / "config.json").exists() and any(Path(initial).glob("*.safetensors")):
-            actors.load_hf_weights(initial)
-        else:
-            actors.load_checkpoint(initial)
-    engine_dir = run_dir / "engine_init"
-    _write_engine_model_dir(engine_dir, hf_config, tokenizer, actors.hf_state_dict())
-    pool = RolloutPool(
-        config.rollout, str(engine_dir), placement=engine_placement(config.rollout, config.parallel, cuda=cuda)
-    )
+    actor_group, engine_group, gpu_placement = _placements(config)
+    actors = ActorGroup(actor_spec(config), actor_group)
+    if config.model.initial_weights is not None:
+        actors.load_initial_weights(config.model.initial_weights)
+    engine_dir = _engine_model_dir(config, run_dir, hf_config, tokenizer, actors)
+    pool = RolloutPool(config.rollout, str(engine_dir), placement=engine_group, weight_backend=backend,
+                       weight_format=config.rollout.weight_dtype)  # fmt: skip
+    weight_sync = WeightSync(actors, pool, config.rollout, transport=transport, backend=backend)
     write_placement(
         run_dir / "placement.json",
         ray_scheduling=config.parallel.ray_scheduling,
         actor_nodes=actors.node_ids(),
         engine_nodes=pool.node_ids(),
+        layout=gpu_placement.layout if gpu_placement else None,
     )
     rewards = RewardPool(task.reward, num_workers=config.data.num_reward_workers, timeout_s=config.data.reward_timeout_s)
     sink = MetricsSink(
@@ -220,6 +201,8 @@ def build_run(config: RunConfig) -> Run:
         prompts=prompts,
         actors=actors,
         pool=pool,
+        weight_sync=weight_sync,
         rewards=rewards,
         sink=sink,
+        placement=gpu_placement,
     )

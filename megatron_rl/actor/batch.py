@@ -15,7 +15,8 @@ Padding: sequences are RIGHT-padded (``attention_mask`` is ones then zeros per r
 Attention is causal with no padding mask, which is exact for right padding (a real
 token never attends to a later pad). Positions are ``0..L-1``: megatron's RoPE uses the
 position in the sequence, so ``position_ids``, if given, must be that ``arange``.
-Packed (unpadded) sequences are not supported.
+Packed (unpadded) sequences are not supported. Micro-batches may be padded further, to
+a sequence multiple the kernels need (``make_microbatches(pad_to_multiple_of=...)``).
 """
 
 from __future__ import annotations
@@ -182,17 +183,33 @@ def _shift_left(t: torch.Tensor | None, fill: float = 0) -> torch.Tensor | None:
     return out
 
 
-def make_microbatches(batch: ActorBatch, max_tokens: int, *, device: torch.device | str = "cpu") -> list[MicroBatch]:
-    """Cut ``batch`` into micro-batches (:func:`plan_microbatches`), in target alignment."""
+def make_microbatches(
+    batch: ActorBatch, max_tokens: int, *, device: torch.device | str = "cpu", pad_to_multiple_of: int = 1
+) -> list[MicroBatch]:
+    """Cut ``batch`` into micro-batches (:func:`plan_microbatches`), in target alignment.
+
+    Each micro-batch is trimmed to its longest sequence, rounded up to a multiple of
+    ``pad_to_multiple_of`` (what Transformer Engine's FP8 GEMMs or sequence parallelism
+    need); padding columns hold token 0 and are masked out of everything, so they change
+    no log-prob, loss or gradient. The budget counts the padded lengths.
+    """
+    if pad_to_multiple_of < 1:
+        raise ValueError(f"pad_to_multiple_of must be >= 1, got {pad_to_multiple_of}")
     lengths = batch.lengths.tolist()
+    padded = [-(-n // pad_to_multiple_of) * pad_to_multiple_of for n in lengths]
     out = []
-    for rows in plan_microbatches(lengths, max_tokens):
+    for rows in plan_microbatches(padded, max_tokens):
         index = torch.tensor(rows, dtype=torch.long)
-        s = max(lengths[i] for i in rows)
+        s = max(padded[i] for i in rows)
         sub = batch.select(index)
 
         def cut(t: torch.Tensor | None) -> torch.Tensor | None:
-            return None if t is None else t[:, :s].to(device)
+            if t is None:
+                return None
+            t = t[:, :s]
+            if t.shape[1] < s:  # the padded length exceeds the batch's width
+                t = torch.nn.functional.pad(t, (0, s - t.shape[1]))
+            return t.to(device)
 
         input_ids = cut(sub.input_ids).long()
         attn = cut(sub.attention_mask).bool()

@@ -3,16 +3,26 @@
 Layout of ``<dir>`` (a megatron-core ``torch_dist`` checkpoint with extras)::
 
     .metadata, __*_*.distcp, common.pt, metadata.json   model + optimizer (dist_checkpointing)
-    actor_state.json      counters, Adam step, LR-scheduler state, layout it was written at
-    rng/rank<r>.pt        per-rank RNG states (Python, NumPy, torch, megatron's tracker)
+    actor_state.json      counters, Adam step, LR-scheduler state, Adam's betas/eps, layout
+    rng/rank<r>.pt        per-rank RNG states (Python, NumPy, torch, megatron's tracker),
+                          tensors and numbers only: loaded with ``weights_only=True``
     hf_config/            config.json (+ generation config, tokenizer files when known)
+    manifest.json         size and SHA-256 of every other file (written last)
 
-and ``<dir>/../latest`` holds the name of the newest checkpoint directory.
+and ``<dir>/../latest`` holds the name of the newest checkpoint directory
+(:mod:`megatron_rl.checkpoint_integrity` reads and checks all of this on the driver).
 
-Atomicity: every rank writes into the temporary sibling ``<parent>/.<name>.tmp``; after
-a barrier, global rank 0 renames it to ``<dir>`` (replacing an older ``<dir>``) and
-rewrites ``latest`` through ``os.replace`` of a temporary file, so a crash leaves
-either the old or the new checkpoint and pointer, never a partial one.
+Before anything is written, every rank checks its parameters: a NaN/inf, or weights so
+large that their float32 sum of squares overflows (a diverged update, e.g. at
+``lr=1e30``: the next forward pass cannot be finite), raise :class:`NonFiniteWeightsError`
+and the checkpoint is not written, so ``latest`` keeps naming the last good one.
+
+Atomicity and durability: every rank writes into the temporary sibling
+``<parent>/.<name>.tmp``; after a barrier the ranks hash (and fsync) the files between
+them and global rank 0 writes the manifest, fsyncs the directories, renames the
+checkpoint to ``<dir>`` (replacing an older ``<dir>``), fsyncs the parent and rewrites
+``latest`` durably, so a crash or power cut leaves either the old or the new checkpoint
+and pointer, never a partial one.
 
 Model weights are stored TP/PP-independently (full tensors, layers stacked), so they
 load at any TP/PP and ``megatron-rl convert mcore-to-hf`` exports them.
@@ -53,6 +63,18 @@ import torch.distributed as dist
 
 from megatron_rl.actor import cpu_shim
 from megatron_rl.actor.launch import ProcessGroups
+from megatron_rl.checkpoint_integrity import (
+    LATEST_FILE,
+    STATE_FILE,
+    CheckpointError,
+    checkpoint_files,
+    file_digest,
+    fsync_dir,
+    fsync_file,
+    read_latest,
+    write_latest,
+    write_manifest,
+)
 
 __all__ = [
     "OPTIMIZER_SHARDING",
@@ -65,16 +87,20 @@ __all__ = [
     "adam_step",
     "set_adam_step",
     "init_adam_state",
+    "check_finite_parameters",
+    "NonFiniteWeightsError",
 ]
 
 OPTIMIZER_SHARDING = "dp_reshardable"
 """Default DistributedOptimizer checkpoint format (Megatron-LM's default too)."""
 OptimizerSharding = Literal["dp_reshardable", "fully_reshardable"]
-STATE_FILE = "actor_state.json"
-LATEST_FILE = "latest"
 HF_CONFIG_SUBDIR = "hf_config"
 _FORMAT = "megatron_rl.actor/1"
 _MODEL_RESHARDABLE = ("fully_reshardable",)  # optimizer formats that load at another TP/PP
+
+
+class NonFiniteWeightsError(RuntimeError):
+    """The parameters are not finite (or overflow float32); the checkpoint was not written."""
 
 
 def _chained(optimizer) -> list:
@@ -131,24 +157,36 @@ def resolve_checkpoint_dir(path: str | Path) -> Path:
     path = Path(path)
     if (path / "metadata.json").is_file():
         return path
-    pointer = path / LATEST_FILE
-    if pointer.is_file():
-        target = path / pointer.read_text().strip()
+    try:
+        target = read_latest(path)  # refuses a pointer leading outside ``path``
+    except CheckpointError as e:
+        raise FileNotFoundError(str(e)) from None
+    if target is not None:
         if (target / "metadata.json").is_file():
             return target
-        raise FileNotFoundError(f"{pointer} names {target}, which is not a checkpoint")
+        raise FileNotFoundError(f"{path / LATEST_FILE} names {target}, which is not a checkpoint")
     raise FileNotFoundError(f"no checkpoint at {path} (no metadata.json and no '{LATEST_FILE}' pointer)")
 
 
 def _rng_state() -> dict[str, Any]:
+    """Every RNG state of this process as tensors, numbers and strings only, so that the file
+    loads with ``torch.load(weights_only=True)``: nothing in a checkpoint is unpickled as code."""
     import numpy as np
     from megatron.core import tensor_parallel
 
+    py_version, py_state, py_gauss = random.getstate()
+    np_name, np_keys, np_pos, np_has_gauss, np_cached = np.random.get_state()
     state = {
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
+        "python": {"version": py_version, "state": torch.tensor(py_state, dtype=torch.int64), "gauss_next": py_gauss},
+        "numpy": {
+            "name": str(np_name),
+            "keys": torch.from_numpy(np.asarray(np_keys, dtype=np.int64)),
+            "pos": int(np_pos),
+            "has_gauss": int(np_has_gauss),
+            "cached_gaussian": float(np_cached),
+        },
         "torch": torch.get_rng_state(),
-        "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
+        "tracker": {name: t.cpu() for name, t in tensor_parallel.get_cuda_rng_tracker().get_states().items()},
     }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
@@ -159,18 +197,76 @@ def _set_rng_state(state: Mapping[str, Any]) -> None:
     import numpy as np
     from megatron.core import tensor_parallel
 
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    py = state["python"]
+    random.setstate((py["version"], tuple(py["state"].tolist()), py["gauss_next"]))
+    npy = state["numpy"]
+    keys = npy["keys"].numpy().astype(np.uint32)
+    np.random.set_state((npy["name"], keys, npy["pos"], npy["has_gauss"], npy["cached_gaussian"]))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
-    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(dict(state["tracker"]))
 
 
-def _write_text_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+def _load_rng_file(path: Path) -> dict[str, Any] | None:
+    """The saved RNG state, read with ``weights_only=True``; ``None`` (with a warning) for a
+    file that is not tensors and numbers only (written before this format, or crafted: a
+    pickle that would run code when unpickled is refused, not run)."""
+    try:
+        saved = torch.load(path, weights_only=True, map_location="cpu")
+        state = saved["state"]
+        if not (isinstance(state.get("python"), Mapping) and isinstance(state.get("numpy"), Mapping)):
+            raise ValueError("not the tensor RNG format")
+        return state
+    except Exception as e:  # UnpicklingError for a refused global, KeyError/TypeError/ValueError for old layouts
+        warnings.warn(
+            f"{path}: not a tensor-only RNG file, so it was not unpickled ({type(e).__name__}); "
+            "the RNG streams continue from the seed",
+            stacklevel=3,
+        )
+        return None
+
+
+def check_finite_parameters(model: torch.nn.Module) -> None:
+    """Raise :class:`NonFiniteWeightsError` on every rank unless every rank's parameters are
+    finite and their float32 sum of squares does not overflow.
+
+    The second test catches a destroyed model whose weights are still technically finite
+    (``|w|`` around 1e19 or more, e.g. after an update at ``lr=1e30``): no forward pass
+    through such weights is finite, so it is no "last good" checkpoint. Collective.
+    """
+    params = [p for p in model.parameters()]
+    device = params[0].device if params else torch.device("cpu")
+    bad = torch.zeros(1, dtype=torch.float32, device=device)
+    with torch.no_grad():
+        for p in params:
+            # Summed in float32 chunks (at most 64 MiB of temporaries), never rescaled: the
+            # overflow is the point.
+            total = torch.zeros((), dtype=torch.float32, device=p.device)
+            for chunk in p.detach().reshape(-1).split(1 << 24):
+                total += chunk.float().square().sum()
+            if not torch.isfinite(total):
+                bad.fill_(1.0)
+                break
+    dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+    if bad.item() > 0:
+        raise NonFiniteWeightsError(
+            "the model's parameters are not finite, or so large that their float32 sum of squares "
+            "overflows (a diverged update): the checkpoint was not written"
+        )
+
+
+def _hash_and_sync(directory: Path, world_size: int, rank: int) -> dict[str, str]:
+    """SHA-256 of every file of ``directory``, the ranks sharing the work (each also fsyncs
+    what it hashes); every rank returns the whole ``{relative path: digest}``. Collective."""
+    names = checkpoint_files(directory)
+    mine = {}
+    for name in names[rank::world_size]:
+        fsync_file(directory / name)
+        mine[name] = file_digest(directory / name)
+    gathered: list[dict[str, str] | None] = [None] * world_size
+    dist.all_gather_object(gathered, mine)
+    return {k: v for part in gathered for k, v in (part or {}).items()}
 
 
 def save_checkpoint(
@@ -188,10 +284,16 @@ def save_checkpoint(
 
     Collective over the whole world (barriers, dist_checkpointing). ``actor_state`` is
     written to ``actor_state.json`` by global rank 0 (JSON-serialisable values). Returns
-    the final directory.
+    the final directory. Raises :class:`NonFiniteWeightsError` (on every rank, nothing
+    written) when the parameters fail :func:`check_finite_parameters`.
     """
     from megatron.core import dist_checkpointing
 
+    if optimizer_sharding not in ("dp_reshardable", "fully_reshardable"):
+        raise ValueError(
+            f"optimizer_sharding must be 'dp_reshardable' or 'fully_reshardable', got {optimizer_sharding!r}"
+        )
+    check_finite_parameters(model)
     final = Path(directory).absolute()
     tmp = final.parent / f".{final.name}.tmp"
     rank = dist.get_rank()
@@ -202,8 +304,6 @@ def save_checkpoint(
         tmp.mkdir(parents=True)  # empty: megatron warns about a non-empty target
     dist.barrier()
 
-    if optimizer_sharding not in ("dp_reshardable", "fully_reshardable"):
-        raise ValueError(f"optimizer_sharding must be 'dp_reshardable' or 'fully_reshardable', got {optimizer_sharding!r}")
     metadata = {"distrib_optim_sharding_type": optimizer_sharding}
     with cpu_shim.cuda_to_cpu():
         model_sd = model.sharded_state_dict()
@@ -212,13 +312,16 @@ def save_checkpoint(
             state["optimizer"] = optimizer.sharded_state_dict(model_sd, metadata=metadata)
         dist_checkpointing.save(state, str(tmp))
     (tmp / "rng").mkdir(exist_ok=True)
-    torch.save(
-        {"layout": _layout(groups), "state": _rng_state()},
-        tmp / "rng" / f"rank{rank}.pt",
-    )
+    torch.save({"layout": _layout(groups), "state": _rng_state()}, tmp / "rng" / f"rank{rank}.pt")
     dist.barrier()
     if rank == 0:
-        record = {"format": _FORMAT, "layout": _layout(groups), "optimizer_sharding": optimizer_sharding, **actor_state}
+        record = {
+            "format": _FORMAT,
+            "layout": _layout(groups),
+            "optimizer_sharding": optimizer_sharding,
+            **_adam_settings(optimizer),
+            **actor_state,
+        }
         (tmp / STATE_FILE).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
         cfg_dir = tmp / HF_CONFIG_SUBDIR
         cfg_dir.mkdir()
@@ -227,17 +330,34 @@ def save_checkpoint(
 
             copy_aux_files(hf_source_dir, cfg_dir)
         (cfg_dir / "config.json").write_text(json.dumps(dict(hf_config), indent=2, sort_keys=True) + "\n")
+    dist.barrier()
+    digests = _hash_and_sync(tmp, dist.get_world_size(), rank)
+    if rank == 0:
+        write_manifest(tmp, digests)
+        for sub in (tmp / "rng", tmp / HF_CONFIG_SUBDIR, tmp):
+            fsync_dir(sub)
         old = final.parent / f".{final.name}.old"
         if final.exists():
             if old.exists():
                 shutil.rmtree(old)
             os.rename(final, old)
         os.rename(tmp, final)
+        fsync_dir(final.parent)
         if old.exists():
             shutil.rmtree(old)
-        _write_text_atomic(final.parent / LATEST_FILE, final.name + "\n")
+        write_latest(final.parent, final.name)
     dist.barrier()
     return final
+
+
+def _adam_settings(optimizer) -> dict[str, Any]:
+    """Adam's betas and eps as the optimizer holds them (loading a checkpoint restores its
+    param groups, so a resume compares these with the config's)."""
+    groups = getattr(optimizer, "param_groups", None) or []
+    group = groups[0] if groups else {}
+    if "betas" not in group:
+        return {}
+    return {"adam": {"beta1": float(group["betas"][0]), "beta2": float(group["betas"][1]), "eps": float(group["eps"])}}
 
 
 def _load_optimizer_state(optimizer, state: dict) -> None:
@@ -251,7 +371,11 @@ def _load_optimizer_state(optimizer, state: dict) -> None:
     own methods only, nothing patched.
     """
     chained = _chained(optimizer)
-    if len(chained) != 1 or not isinstance(state, dict) or state.get("param_state_sharding_type") != "fully_reshardable":
+    if (
+        len(chained) != 1
+        or not isinstance(state, dict)
+        or state.get("param_state_sharding_type") != "fully_reshardable"
+    ):
         optimizer.load_state_dict(state)
         return
     (opt,) = chained
@@ -316,7 +440,9 @@ def load_checkpoint(
         if load_optimizer:
             init_adam_state(optimizer)
             state["optimizer"] = optimizer.sharded_state_dict(
-                model.sharded_state_dict(), is_loading=True, metadata={"distrib_optim_sharding_type": record["optimizer_sharding"]}
+                model.sharded_state_dict(),
+                is_loading=True,
+                metadata={"distrib_optim_sharding_type": record["optimizer_sharding"]},
             )
     with cpu_shim.cuda_to_cpu(), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*load_state_dict.*deprecated", category=FutureWarning)
@@ -340,7 +466,8 @@ def load_checkpoint(
                 optimizer.reload_model_params()
     rng_file = path / "rng" / f"rank{dist.get_rank()}.pt"
     if load_rng and saved_layout == here and rng_file.is_file():
-        saved = torch.load(rng_file, weights_only=False)
-        _set_rng_state(saved["state"])
+        rng = _load_rng_file(rng_file)
+        if rng is not None:
+            _set_rng_state(rng)
     dist.barrier()
     return {**record, "loaded_optimizer": bool(load_optimizer)}

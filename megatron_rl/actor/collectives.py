@@ -54,8 +54,9 @@ def gather_token_values(
     local = torch.zeros(k, num_local, length, dtype=torch.float32, device=device())
     for mb, vals in zip(microbatches, values):
         s = mb.input_ids.shape[1]
+        w = min(s, length)  # a micro-batch padded past the batch's width: drop the padding
         for j, v in enumerate(vals):
-            local[j, mb.rows, 1:s] = v.reshape(-1, s)[:, : s - 1].float()
+            local[j, mb.rows, 1:w] = v.reshape(-1, s)[:, : w - 1].float()
     full = torch.zeros(k, n, length, dtype=torch.float32, device=device())
     if groups.is_last_stage:
         per_rank = -(-n // groups.dp_size)

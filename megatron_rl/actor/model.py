@@ -22,10 +22,21 @@ import torch
 
 from megatron_rl.actor import cpu_shim
 from megatron_rl.config.model import ModelOptions
+from megatron_rl.config.parallel import ParallelConfig
+from megatron_rl.config.trainer import ActorConfig
 from megatron_rl.models import DecoderAdapter, adapter_for_config, padded_vocab_size
 from megatron_rl.models.common import config_dict
 
-__all__ = ["load_hf_config", "te_available", "build_transformer_config", "build_gpt_model"]
+__all__ = [
+    "build_gpt_model",
+    "build_transformer_config",
+    "layer_spec",
+    "load_hf_config",
+    "resolve_use_te",
+    "te_available",
+    "transformer_config_kwargs",
+]
+
 
 def load_hf_config(source: Any) -> dict[str, Any]:
     """A ``config.json`` dict from a HF model directory, a ``config.json`` path, a dict or a
@@ -51,25 +62,35 @@ def te_available() -> bool:
     return True
 
 
-def _resolve_use_te(options: ModelOptions) -> bool:
-    use_te = te_available() if options.use_te is None else options.use_te
-    if use_te and not te_available():
-        raise RuntimeError("use_te=True but transformer_engine is not importable on a CUDA machine")
+def resolve_use_te(options: ModelOptions, *, available: bool | None = None) -> bool:
+    """Whether the Transformer-Engine spec is used (``model.use_te``, or auto: where TE
+    imports on a CUDA machine); a ``ConfigError`` naming the field when TE is asked for
+    (``use_te: true`` or ``fp8``) but not available. ``available`` overrides the probe."""
+    from megatron_rl.configlib import ConfigError
+
+    available = te_available() if available is None else available
+    use_te = available if options.use_te is None else options.use_te
+    if use_te and not available:
+        raise ConfigError("model.use_te", "got True; transformer_engine is not importable on a CUDA machine here")
     if options.fp8 is not None and not use_te:
-        raise RuntimeError("fp8 needs the Transformer-Engine spec, which is not available here")
+        raise ConfigError(
+            "model.fp8", f"got {options.fp8!r}; FP8 needs the Transformer-Engine spec (a CUDA machine with "
+            "transformer_engine), which is not available here"
+        )  # fmt: skip
     return use_te
 
 
 def build_transformer_config(
     hf_config: Mapping[str, Any],
     *,
-    tensor_model_parallel_size: int,
-    pipeline_model_parallel_size: int,
+    parallel: ParallelConfig,
     options: ModelOptions,
+    actor: ActorConfig | None = None,
 ):
-    """A megatron-core ``TransformerConfig`` for ``hf_config`` at the given parallel sizes.
+    """A megatron-core ``TransformerConfig`` for ``hf_config`` at ``parallel``'s sizes.
 
-    Besides the adapter's architecture fields it sets:
+    Besides the adapter's architecture fields it sets TP/PP and sequence parallelism
+    (``parallel``), activation recompute (``actor``), dtype and FP8 (``options``), and:
 
     * ``calculate_per_token_loss=True``: the loss function returns a SUM and a token count;
       megatron DDP sums gradients over DP (no averaging) and ``finalize_model_grads``
@@ -82,15 +103,24 @@ def build_transformer_config(
     """
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    use_te = resolve_use_te(options)
+    return TransformerConfig(**transformer_config_kwargs(hf_config, parallel=parallel, options=options, actor=actor,
+                                                         use_te=use_te))  # fmt: skip
+
+
+def transformer_config_kwargs(
+    hf_config: Mapping[str, Any], *, parallel: ParallelConfig, options: ModelOptions, actor: ActorConfig | None,
+    use_te: bool,
+) -> dict[str, Any]:  # fmt: skip
+    """The keyword arguments of :func:`build_transformer_config`'s ``TransformerConfig``."""
     adapter = adapter_for_config(hf_config)
     dtype = options.torch_dtype
-    use_te = _resolve_use_te(options)
     kwargs: dict[str, Any] = dict(adapter.transformer_config_kwargs(hf_config))
     kwargs.update(cpu_shim.transformer_config_overrides())
     kwargs.update(
-        tensor_model_parallel_size=tensor_model_parallel_size,
-        pipeline_model_parallel_size=pipeline_model_parallel_size,
-        sequence_parallel=False,
+        tensor_model_parallel_size=parallel.tensor_model_parallel_size,
+        pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
+        sequence_parallel=parallel.sequence_parallel,
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,
@@ -107,11 +137,31 @@ def build_transformer_config(
             fp8_amax_history_len=options.fp8_amax_history_len,
             fp8_amax_compute_algo=options.fp8_amax_compute_algo,
         )
+    if actor is not None and actor.recompute_granularity != "none":
+        kwargs.update(recompute_granularity=actor.recompute_granularity)
+        if actor.recompute_granularity == "full":
+            kwargs.update(recompute_method=actor.recompute_method, recompute_num_layers=actor.recompute_num_layers)
     if not use_te:
         # The local spec has no fused kernels for these even on CUDA.
         kwargs.update(gradient_accumulation_fusion=False)
     kwargs.update(options.transformer_config_overrides)
-    return TransformerConfig(**kwargs)
+    return kwargs
+
+
+def layer_spec(adapter: DecoderAdapter, hf_config: Mapping[str, Any], transformer_config, *, use_te: bool):
+    """The decoder spec of this pipeline stage: the adapter's layer spec, or with sequence
+    parallelism on the local spec, a block spec whose every norm supports it (megatron's
+    local norm refuses sequence parallelism)."""
+    sequence_parallel = bool(transformer_config.sequence_parallel)
+    spec = adapter.layer_spec(hf_config, use_te=use_te, sequence_parallel=sequence_parallel)
+    if use_te or not sequence_parallel:
+        return spec
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
+    from megatron_rl.models.norms import SequenceParallelRMSNorm
+
+    num_layers = get_num_layers_to_build(transformer_config)
+    return TransformerBlockSubmodules(layer_specs=[spec] * num_layers, layer_norm=SequenceParallelRMSNorm)
 
 
 def build_gpt_model(
@@ -134,7 +184,7 @@ def build_gpt_model(
     from megatron.core.models.gpt import GPTModel
 
     adapter = adapter or adapter_for_config(hf_config)
-    use_te = _resolve_use_te(options)
+    use_te = resolve_use_te(options)
     vocab = padded_vocab_size(
         int(hf_config["vocab_size"]),
         tp_size=transformer_config.tensor_model_parallel_size,
@@ -144,7 +194,7 @@ def build_gpt_model(
     with cpu_shim.cuda_to_cpu():
         model = GPTModel(
             config=transformer_config,
-            transformer_layer_spec=adapter.layer_spec(hf_config, use_te=use_te),
+            transformer_layer_spec=layer_spec(adapter, hf_config, transformer_config, use_te=use_te),
             pre_process=pre_process,
             post_process=post_process,
             parallel_output=True,

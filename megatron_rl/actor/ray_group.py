@@ -8,9 +8,10 @@ and builds its model from the same :class:`~megatron_rl.actor.spec.ActorSpec`, r
 once. Each call of the group runs the same method on every rank (the actor's methods are
 collective) and returns rank 0's result.
 
-When the loss has a KL term each rank also holds a frozen copy of the initial policy for
-the reference log-probs: a second ``MegatronActor`` built from the same spec and seed
-(so the same initial weights); its optimizer is never stepped.
+When the loss has a KL term each rank also holds the frozen reference policy
+(``reference.py``: weights only, optionally offloaded to host memory), which always
+holds the run's initial weights: a copy of the actor's at construction, then whatever
+:meth:`ActorWorker.load_initial_weights` loads into both.
 
 The group also keeps the run's non-finite rule: a step whose updates were skipped for a
 non-finite loss or gradient norm is counted, and ``trainer.max_consecutive_nonfinite_steps``
@@ -22,7 +23,10 @@ from __future__ import annotations
 
 import os
 import socket
+import time
+from collections import deque
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -33,8 +37,16 @@ from megatron_rl.actor.batch import ActorBatch
 from megatron_rl.actor.spec import ActorSpec
 from megatron_rl.placement import GroupPlacement
 from megatron_rl.weight_buckets import WeightBucket, make_buckets
+from megatron_rl.weight_transfer.meta import TensorMeta, dtype_of
 
-__all__ = ["ActorGroup", "ActorWorker", "NonFiniteStepsError"]
+__all__ = ["ActorGroup", "ActorWorker", "NonFiniteStepsError", "is_hf_directory"]
+
+
+def is_hf_directory(source: str) -> bool:
+    """Whether ``source`` is a HF model directory (``config.json`` and safetensors), not a
+    Megatron checkpoint."""
+    path = Path(source)
+    return (path / "config.json").exists() and any(path.glob("*.safetensors"))
 
 
 class NonFiniteStepsError(RuntimeError):
@@ -51,6 +63,9 @@ class ActorWorker:
             torch.set_num_threads(torch_threads)
         self.actor = None
         self.reference = None
+        self.sender = None
+        self.transitions: deque[tuple[float, str]] = deque(maxlen=256)
+        """The last (wall time, event) pairs: what the rank did when (``transitions()``)."""
 
     def node_id(self) -> str:
         """The Ray node this rank runs on (hex id)."""
@@ -66,6 +81,7 @@ class ActorWorker:
     def setup(self, *, master_addr: str, master_port: int, spec: ActorSpec) -> None:
         from megatron_rl.actor.actor import MegatronActor
         from megatron_rl.actor.launch import init_process_group, initialize_parallel
+        from megatron_rl.actor.reference import ReferencePolicy
 
         os.environ.update(
             MASTER_ADDR=master_addr,
@@ -82,9 +98,11 @@ class ActorWorker:
         )
         self.actor = MegatronActor(spec, groups=groups)
         if spec.with_reference:
-            self.reference = MegatronActor(spec, groups=groups)
+            self.reference = ReferencePolicy(spec, groups=groups)
+            self.reference.copy_weights_from(self.actor)  # the random init, until initial weights load
 
     def compute_logprobs(self, batch: ActorBatch, policy: str = "actor") -> LogProbs:
+        self.transitions.append((time.time(), f"logprobs:{policy}"))
         model = self.reference if policy == "reference" else self.actor
         if model is None:
             raise RuntimeError(f"no {policy!r} model on this actor group (the loss has no KL term)")
@@ -93,30 +111,106 @@ class ActorWorker:
     def update_policy(self, batch: ActorBatch, step: int, token_stats: bool) -> dict[str, float]:
         from megatron_rl.actor.update import update_policy
 
+        self.transitions.append((time.time(), "train"))
         return update_policy(self.actor, self.reference, batch, step=step, token_stats=token_stats)
 
     def save_checkpoint(self, directory: str, trainer_state: dict[str, Any] | None) -> str:
-        return str(self.actor.save_checkpoint(directory, trainer_state=trainer_state))
+        offloaded = self.actor.train_state_offloaded
+        self.actor.onload_train_state()  # the optimizer state is saved from where it trains
+        try:
+            return str(self.actor.save_checkpoint(directory, trainer_state=trainer_state))
+        finally:
+            if offloaded:
+                self.actor.offload_train_state()
+
+    def offload_train_state(self) -> None:
+        """Give the device to colocated engines: the actor's gradient buffers and optimizer
+        state (``MegatronActor.offload_train_state``) and the reference's weights."""
+        self.transitions.append((time.time(), "offload"))
+        self.actor.offload_train_state()
+        if self.reference is not None:
+            self.reference.offload()
+
+    def onload_train_state(self) -> None:
+        """Take the device back for an update (the reference only if it is kept resident)."""
+        self.transitions.append((time.time(), "onload"))
+        self.actor.onload_train_state()
+        if self.reference is not None and not self.reference.spec.actor.reference_offload:
+            self.reference.onload()
+
+    def get_transitions(self) -> list[tuple[float, str]]:
+        return list(self.transitions)
 
     def load_checkpoint(self, directory: str) -> dict[str, Any]:
+        """The actor's state from a training checkpoint (resume); the reference keeps its weights."""
         return self.actor.load_checkpoint(directory)
 
-    def load_hf_weights(self, directory: str) -> int:
-        count = self.actor.load_hf_weights(directory)
-        if self.reference is not None:
-            self.reference.load_hf_weights(directory)
-        return count
+    def load_initial_weights(self, source: str) -> None:
+        """The run's initial weights into the actor AND the reference: a HF safetensors
+        directory, or the weights of a Megatron checkpoint."""
+        if is_hf_directory(source):
+            self.actor.load_hf_weights(source)
+            if self.reference is not None:
+                self.reference.load_hf_weights(source)
+        else:
+            self.actor.load_checkpoint(source)
+            if self.reference is not None:
+                self.reference.load_weights_checkpoint(source)
 
-    def stream_weight_buckets(self, bucket_bytes: int) -> Iterator[WeightBucket]:
-        """Gather full HF-named tensors (collective on every rank) and, on rank 0, yield them
-        in buckets; run as a Ray streaming generator, each bucket lands in the object
-        store as it is yielded. Other ranks take part in the gathers and yield nothing."""
-        named = self.actor.iter_hf_weights(bucket_bytes=bucket_bytes)
+    def _weight_source(self, dtype: str, bucket_bytes: int, fp8: bool) -> Any:
+        """The actor's HF-named tensors in ``dtype``; with ``fp8`` the projection weights in
+        block-wise FP8 plus their scales (``weight_transfer.fp8``)."""
+        source = self.actor.weight_source(dtype=dtype_of(dtype), bucket_bytes=bucket_bytes)
+        if fp8:
+            from megatron_rl.weight_transfer.fp8 import Fp8Source
+
+            return Fp8Source(source)
+        return source
+
+    def stream_weight_buckets(self, bucket_bytes: int, dtype: str, fp8: bool = False) -> Iterator[WeightBucket]:
+        """Gather full HF-named tensors in ``dtype`` (collective on every rank) and, on rank
+        0, yield them in buckets; run as a Ray streaming generator, each bucket lands in
+        the object store as it is yielded. Other ranks take part in the gathers and yield
+        nothing."""
+        self.transitions.append((time.time(), "sync"))
+        named = self._weight_source(dtype, bucket_bytes, fp8)
         if self.rank != 0:
             for _ in named:  # every rank takes part in the gathers
                 pass
             return
         yield from make_buckets(named, bucket_bytes)
+
+    def weight_metadata(self, dtype: str, fp8: bool = False) -> list[TensorMeta]:
+        """Every HF-named tensor a sync sends, in ``dtype`` (no collectives)."""
+        return self._weight_source(dtype, 1, fp8).metadata()
+
+    def open_weight_sender(
+        self, backend: str, client: Any, init: dict[str, Any], dtype: str, bucket_bytes: int, fp8: bool = False
+    ) -> None:
+        """Join a transfer group with the engines behind ``client`` (``actor.transfer``)."""
+        from megatron_rl.actor.transfer import open_sender
+
+        self.close_weight_sender()
+        source = self._weight_source(dtype, bucket_bytes, fp8)
+        self.sender = open_sender(source, rank=self.rank, backend=backend, client=client, init=init)
+
+    def send_weights(self) -> None:
+        """One version through the open transfer group (collective on every rank)."""
+        if self.sender is None:
+            raise RuntimeError("send_weights() before open_weight_sender()")
+        self.transitions.append((time.time(), "sync"))
+        self.sender.send_weights()
+
+    def close_weight_sender(self) -> None:
+        sender, self.sender = getattr(self, "sender", None), None
+        if sender is not None:
+            sender.shutdown()
+
+    def write_hf_weights(self, directory: str, dtype: str) -> None:
+        """The model's HF safetensors into ``directory`` (rank 0 writes; see ``actor.transfer``)."""
+        from megatron_rl.actor.transfer import write_hf_weights
+
+        write_hf_weights(self.actor.weight_source(dtype=dtype_of(dtype)), Path(directory), rank=self.rank)
 
     def hf_state_dict(self) -> dict[str, torch.Tensor] | None:
         """All HF-named tensors on rank 0 (for small models and tests); ``None`` elsewhere."""
@@ -175,6 +269,18 @@ class ActorGroup:
             )
         return metrics
 
+    def offload_train_state(self) -> None:
+        """Every rank gives its device to colocated engines (``ActorWorker.offload_train_state``)."""
+        self._all("offload_train_state")
+
+    def onload_train_state(self) -> None:
+        """Every rank takes its device back for the update."""
+        self._all("onload_train_state")
+
+    def transitions(self) -> list[tuple[float, str]]:
+        """Rank 0's recent (wall time, event) pairs: logprobs, train, offload, onload, sync."""
+        return ray.get(self.workers[0].get_transitions.remote())
+
     def state_dict(self) -> dict[str, int]:
         """The group's driver-side state, saved with the trainer's in each checkpoint."""
         return {"consecutive_nonfinite": self.consecutive_nonfinite}
@@ -186,19 +292,28 @@ class ActorGroup:
         return self._all("save_checkpoint", str(directory), trainer_state)
 
     def load_checkpoint(self, directory: str) -> dict[str, Any]:
+        """Resume the actor from a training checkpoint (the reference keeps the initial weights)."""
         return self._all("load_checkpoint", str(directory))
 
-    def load_hf_weights(self, directory: str) -> int:
-        return self._all("load_hf_weights", str(directory))
+    def load_initial_weights(self, source: str) -> None:
+        """The run's initial weights (HF directory or Megatron checkpoint) into actor and reference."""
+        self._all("load_initial_weights", str(source))
 
-    def weight_buckets(self, bucket_bytes: int, *, max_buffered: int = 2) -> Iterator[Any]:
-        """ObjectRefs of the model's weight buckets (HF names), produced lazily by rank 0:
-        rank 0 runs at most ``max_buffered`` buckets ahead of the consumer
+    def weight_metadata(self, dtype: str = "float32", *, fp8: bool = False) -> list[TensorMeta]:
+        """Every HF-named tensor a sync sends, in order, in ``dtype`` (``fp8``: projection
+        weights as FP8 plus their block scales)."""
+        return ray.get(self.workers[0].weight_metadata.remote(dtype, fp8))
+
+    def weight_buckets(
+        self, bucket_bytes: int, *, dtype: str = "float32", max_buffered: int = 2, fp8: bool = False
+    ) -> Iterator[Any]:
+        """ObjectRefs of the model's weight buckets (HF names, ``dtype``), produced lazily by
+        rank 0: rank 0 runs at most ``max_buffered`` buckets ahead of the consumer
         (``RolloutPool.sync``). Consume to the end: every rank takes part in the gathers."""
         streams = [
             w.stream_weight_buckets.options(
                 num_returns="streaming", _generator_backpressure_num_objects=max_buffered
-            ).remote(bucket_bytes)
+            ).remote(bucket_bytes, dtype, fp8)
             for w in self.workers
         ]
         yield from streams[0]
@@ -208,6 +323,27 @@ class ActorGroup:
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         return self._all("hf_state_dict")
+
+    def sender_address(self) -> tuple[str, int]:
+        """Rank 0's IP and a free port there: where a transfer group's rendezvous is hosted."""
+        return ray.get(self.workers[0].address.remote())
+
+    def open_weight_sender(
+        self, backend: str, client: Any, init: dict[str, Any], *, dtype: str, bucket_bytes: int, fp8: bool = False
+    ) -> None:
+        """Every rank builds its sender; rank 0 joins the engines behind ``client``."""
+        self._all("open_weight_sender", backend, client, init, dtype, bucket_bytes, fp8)
+
+    def send_weights(self) -> None:
+        """One version through the open transfer group."""
+        self._all("send_weights")
+
+    def close_weight_sender(self) -> None:
+        self._all("close_weight_sender")
+
+    def write_hf_weights(self, directory: str, *, dtype: str) -> None:
+        """The model's HF safetensors into ``directory`` (streamed by rank 0)."""
+        self._all("write_hf_weights", str(directory), dtype)
 
     def node_ids(self) -> list[str]:
         """The Ray node id of every rank, in rank order."""

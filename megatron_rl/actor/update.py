@@ -34,6 +34,7 @@ import torch
 
 from megatron_rl.actor.actor import MegatronActor
 from megatron_rl.actor.batch import ActorBatch
+from megatron_rl.actor.reference import ReferencePolicy
 from megatron_rl.algo import logprob_mismatch, update_phases
 from megatron_rl.observability.diagnostics import token_probability_diagnostics
 from megatron_rl.seeding import minibatch_seed
@@ -63,7 +64,7 @@ def minibatch_rows(num_rows: int, num_minibatches: int, *, seed: int) -> list[to
 
 
 def update_policy(
-    actor: MegatronActor, reference: MegatronActor | None, batch: ActorBatch, *, step: int, token_stats: bool = False
+    actor: MegatronActor, reference: ReferencePolicy | None, batch: ActorBatch, *, step: int, token_stats: bool = False
 ) -> dict[str, float]:
     """All of RL step ``step``'s optimizer steps on ``batch``; returns its metrics.
 

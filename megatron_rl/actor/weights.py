@@ -20,6 +20,9 @@ tensors (every rank must consume the iterator to the end, in lockstep); DP repli
 work independently of each other. Tensors have the model's parameter dtype and device
 and are copies, never views of live parameters.
 
+:class:`HFWeightSource` wraps the stream for the weight-transfer senders (metadata up
+front, tensors cast to the engines' dtype).
+
 :func:`load_hf_weights` goes the other way (HF safetensors -> this rank's shards), for
 ``model.init: pretrained`` from a HF directory without a conversion step.
 """
@@ -34,8 +37,10 @@ import torch.distributed as dist
 
 from megatron_rl.actor.launch import ProcessGroups
 from megatron_rl.models import DecoderAdapter, canonical_mcore_name
+from megatron_rl.weight_transfer.meta import TensorMeta
 
 __all__ = [
+    "HFWeightSource",
     "global_parameters",
     "gather_tp_shards",
     "concat_tp_shards",
@@ -241,3 +246,31 @@ def load_hf_weights(
     if local:
         raise ConversionError(f"no HF weights for model parameter '{sorted(local)[0]}' ({len(local)} in all)")
     return written
+
+
+class HFWeightSource:
+    """The actor's weights as a weight-transfer source (``weight_transfer.gloo.WeightSource``):
+    HF-named full tensors in ``dtype`` (the engines' dtype; cast before they leave the
+    device, so a bf16 engine costs half the bytes of a float32 actor).
+
+    ``metadata()`` comes from the adapter's weight units (names and full shapes, no
+    collectives); iteration is :func:`iter_hf_weights` (collectives: every rank of the
+    model-parallel group iterates it in lockstep).
+    """
+
+    def __init__(self, model: torch.nn.Module, *, dtype: torch.dtype, bucket_bytes: int, **kwargs: Any):
+        self.model = model
+        self.dtype = dtype
+        self.bucket_bytes = bucket_bytes
+        self.kwargs = kwargs
+
+    def metadata(self) -> list[TensorMeta]:
+        units = self.kwargs["adapter"].weight_units(
+            self.kwargs["hf_config"], padded_vocab_size=self.kwargs["padded_vocab_size"]
+        )  # fmt: skip
+        dtype = str(self.dtype).removeprefix("torch.")
+        return [TensorMeta(n, dtype, tuple(s)) for unit in units for n, s in zip(unit.hf_names, unit.hf_shapes)]
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in iter_hf_weights(self.model, bucket_bytes=self.bucket_bytes, **self.kwargs):
+            yield name, tensor if tensor.dtype == self.dtype else tensor.to(self.dtype)

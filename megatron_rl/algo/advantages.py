@@ -69,9 +69,7 @@ def get_advantage_estimator(name: str) -> AdvantageEstimator:
     return ADVANTAGE_ESTIMATORS.get(name)
 
 
-def compute_advantages(
-    rewards_N: torch.Tensor, group_index_N: torch.Tensor, config: AdvantageConfig
-) -> torch.Tensor:
+def compute_advantages(rewards_N: torch.Tensor, group_index_N: torch.Tensor, config: AdvantageConfig) -> torch.Tensor:
     """Per-response advantages with the configured estimator.
 
     Args:
@@ -95,8 +93,14 @@ def compute_advantages(
 
 
 def broadcast_to_tokens(advantages_N: torch.Tensor, response_mask_NT: torch.Tensor) -> torch.Tensor:
-    """``[N]`` response advantages -> ``[N, T]`` token advantages, 0 where the mask is 0."""
-    return advantages_N[:, None].to(torch.float32) * response_mask_NT.to(torch.float32)
+    """``[N]`` response advantages -> ``[N, T]`` token advantages, 0 where the mask is 0.
+
+    Keeps the dtype of ``advantages_N`` (float64 from float64 rewards, as
+    :func:`compute_advantages` returns them); a consumer that computes in another dtype
+    casts once, where it computes (the fused loss casts to the log-probs' dtype).
+    """
+    mask_NT = response_mask_NT.bool()
+    return torch.where(mask_NT, advantages_N[:, None], advantages_N.new_zeros(()))
 
 
 def _group_stats(

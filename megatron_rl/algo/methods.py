@@ -76,6 +76,9 @@ class TokenSelection:
     """bool: tokens counted by the normaliser (starts as ``valid``)."""
     metrics: dict[str, torch.Tensor] = field(default_factory=dict)
     """Metrics as ``[sum, count]`` pairs, added to by the methods."""
+    masks: dict[str, torch.Tensor] = field(default_factory=dict)
+    """bool ``[*S]`` masks the methods applied, by name (``lopti/phase``, ``stapo/spurious``);
+    returned on ``LossOutput.masks``."""
 
     def __post_init__(self) -> None:
         self.active = self.valid if self.active is None else self.active
@@ -190,6 +193,7 @@ class Lopti(TokenWeightMethod):
         low, high = lopti_split(tokens.old_logp, tokens.valid, config.lopti.eta)
         part = low if phase == "low" else high
         tokens.active = tokens.active & part
+        tokens.masks["lopti/phase"] = part
         if config.lopti.denominator == "phase":
             tokens.counted = tokens.counted & part
         tokens.metrics["loss/lopti/low_frac"] = pair(low.sum(), tokens.num_valid)
@@ -229,6 +233,7 @@ class STAPO(TokenWeightMethod):
         if threshold is None:  # exact only when this call sees the whole mini-batch
             threshold = stapo_entropy_threshold(tokens.entropy, cand, config.stapo.entropy_quantile)
         spurious = stapo_spurious_mask(cand, tokens.entropy, threshold)
+        tokens.masks["stapo/spurious"] = spurious
         tokens.active = tokens.active & ~spurious
         tokens.counted = tokens.counted & ~spurious
         tokens.metrics["loss/stapo/masked_frac"] = pair(spurious.sum(), tokens.num_valid)

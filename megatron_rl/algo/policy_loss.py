@@ -32,7 +32,7 @@ Metrics are ``{name: tensor([sum, count], float64)}`` so they too reduce by summ
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -44,16 +44,31 @@ LOG_RATIO_CLAMP = 20.0
 
 @dataclass
 class LossOutput:
-    """What every loss returns.
+    """What every loss returns: the aggregation triple, and the token selection it applied.
 
-    ``loss_sum``: 0-dim, differentiable, ``sum_t coef_t * l_t`` over this call's tokens.
-    ``count``: 0-dim float64, this call's share of the global normaliser.
-    ``metrics``: ``{name: tensor([sum, count], float64)}``, detached.
+    The last four fields let diagnostics and tests read which tokens a call trained on and
+    with which advantage, instead of re-deriving the methods' masks; all are detached and
+    shaped like the call's per-token inputs ``[*S]``.
     """
 
     loss_sum: torch.Tensor
+    """0-dim, differentiable, ``sum_t coef_t * l_t`` over this call's tokens."""
     count: torch.Tensor
+    """0-dim float64, this call's share of the global normaliser."""
     metrics: dict[str, torch.Tensor]
+    """``{name: tensor([sum, count], float64)}``, detached (denominators: docs/algorithms.md)."""
+    active: torch.Tensor | None = None
+    """bool ``[*S]``: tokens whose loss entered ``loss_sum`` (valid, in the call's phase,
+    not silenced by STAPO)."""
+    counted: torch.Tensor | None = None
+    """bool ``[*S]``: tokens counted by the normaliser (``active``, or all valid tokens of
+    both Lopti phases with ``lopti.denominator: all``)."""
+    masks: dict[str, torch.Tensor] = field(default_factory=dict)
+    """bool ``[*S]`` per method selection applied, by name: ``lopti/phase`` (the tokens of
+    this call's Lopti phase), ``stapo/spurious`` (the tokens STAPO silenced)."""
+    advantages: torch.Tensor | None = None
+    """``[*S]`` effective advantages in the loss's dtype: the advantages the clipped
+    objective used (reweighting applied by the caller) on ``active`` tokens, 0 elsewhere."""
 
 
 def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> torch.Tensor:
@@ -229,7 +244,15 @@ def compute_policy_loss(
     for name, weight in weight_metrics:
         metrics[name] = _masked_pair(weight, active)
     metrics["loss/active_tokens"] = pair(n_active, torch.tensor(1.0, dtype=torch.float64))
-    return LossOutput(loss_sum=loss_sum, count=count, metrics=metrics)
+    return LossOutput(
+        loss_sum=loss_sum,
+        count=count,
+        metrics=metrics,
+        active=active,
+        counted=counted,
+        masks=dict(tokens.masks),
+        advantages=torch.where(active, adv_v, zeros).detach(),
+    )
 
 
 def _aggregation(

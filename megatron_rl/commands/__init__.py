@@ -1,6 +1,8 @@
 """The ``megatron-rl`` command line: one entry point with subcommands.
 
     megatron-rl train CONFIG [section.field=value ...] [--dry-run]
+    megatron-rl plan CONFIG [overrides] [--gpu-memory-gb N]
+    megatron-rl sweep CONFIG --methods M1,M2 --seeds N [--launcher local|slurm] [overrides]
     megatron-rl convert hf-to-mcore --hf DIR --out DIR [--tp N --pp M]
     megatron-rl convert mcore-to-hf --mcore DIR --out DIR [--hf-config DIR]
     megatron-rl generate-data {kk,toy} --out DIR ...
@@ -138,6 +140,12 @@ register_module_subcommand(
     "convert",
     "megatron_rl.commands.convert",  # the conversion library (torch) is imported when it runs
     help="convert checkpoints: hf-to-mcore (HF safetensors -> megatron dist-checkpoint) or mcore-to-hf",
+)
+register_module_subcommand(
+    "plan", "megatron_rl.commands.plan", help="predict the actor's memory per GPU for a config (exit 1: does not fit)"
+)
+register_module_subcommand(
+    "sweep", "megatron_rl.commands.sweep", help="train a config with several methods x seeds, then compare them"
 )
 register_module_subcommand(
     "generate-data",

@@ -10,13 +10,16 @@ explains: layouts, streaming, atomic output). ``--tp`` only chooses the vocabula
 and, with ``--pp``, what the model's head, group and layer counts are checked against:
 the checkpoint loads at any TP/PP. ``tools/convert_hf_to_mcore.py`` and
 ``tools/convert_mcore_to_hf.py`` reuse the argument helpers here. Bad input is exit code 1
-with ``error: ...`` (naming the file and tensor) on stderr.
+with ``error: ...`` (naming the file and tensor) on stderr, and so is a full disk (the
+partial output is removed); a :class:`~megatron_rl.models.convert.ConversionWarning` (e.g.
+no tokenizer files to keep) is one ``warning: ...`` line.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 from pathlib import Path
 
 from megatron_rl.commands import EXIT_FAILURE, EXIT_OK
@@ -94,6 +97,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Run the parsed command; returns the exit code (1 with a message on stderr for bad input)."""
     # Imported here: the conversion library imports torch, which ``--help`` does not need.
+    from megatron_rl.models.convert import ConversionWarning
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ConversionWarning)
+        code, summary = _convert(args)
+    for w in caught:
+        if issubclass(w.category, ConversionWarning):
+            print(f"warning: {w.message}", file=sys.stderr)
+        else:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    if summary is None:
+        return code
+    print(
+        f"{args.convert_direction}: wrote {summary.num_tensors} tensors ({summary.tensor_bytes / 2**30:.2f} GiB) "
+        f"of a {summary.model_type} model to {summary.out_dir} in {summary.seconds:.1f} s"
+    )
+    return EXIT_OK
+
+
+def _convert(args: argparse.Namespace):
+    """``(exit code, summary or None)`` of the conversion ``args`` asks for."""
     from megatron_rl.models.convert import (
         ConversionError,
         HfToMcoreOptions,
@@ -128,12 +152,8 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"unknown direction {args.convert_direction!r}")
     except (ConversionError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
-        return EXIT_FAILURE
-    print(
-        f"{args.convert_direction}: wrote {summary.num_tensors} tensors ({summary.tensor_bytes / 2**30:.2f} GiB) "
-        f"of a {summary.model_type} model to {summary.out_dir} in {summary.seconds:.1f} s"
-    )
-    return EXIT_OK
+        return EXIT_FAILURE, None
+    return EXIT_OK, summary
 
 
 def main(argv: list[str] | None = None) -> int:

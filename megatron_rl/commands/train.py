@@ -3,23 +3,24 @@
     megatron-rl train CONFIG [section.field=value ...] [--dry-run]
 
 Before any process starts, the config is loaded (errors name file and line) and the
-names resolved through registries are checked (:func:`check_registries`): the task, the
-advantage estimator and the model type. Missing data files are warnings, not errors (the
-data may be generated later, or live on a file system only the cluster sees).
+pre-flight (:mod:`megatron_rl.preflight`) checks every name, path, data row and the
+checkpoint to resume from; ``--dry-run`` runs exactly the same pre-flight, so a dry run
+that passes means the run gets past start-up. Exit codes: 0 done; 2 a bad config, path,
+data row or checkpoint (``error: ...`` naming the field, file or row; no traceback);
+1 a run stopped by a failure it detected itself (non-finite steps, weights or rewards).
+A driver killed without warning leaves no process behind (:mod:`.reaper`).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import sys
 import warnings
 from collections.abc import Iterator
-from pathlib import Path
 
 from megatron_rl.commands import EXIT_FAILURE, EXIT_OK, EXIT_USAGE
-from megatron_rl.configlib import ConfigError, ConfigRenameWarning, dump_yaml, save_resolved, warn_config
+from megatron_rl.configlib import ConfigError, ConfigRenameWarning, dump_yaml, save_resolved
 
 TASK_KEY = "data.task"
 """The config field naming the task (formerly ``data.reward``, still accepted)."""
@@ -42,55 +43,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def check_registries(config, *, task_key: str = TASK_KEY) -> None:
-    """Check names that are resolved through registries (not knowable from the config alone).
-
-    Raises :class:`ConfigError` naming the field (the task under ``task_key``: the key the
-    user wrote it as) and listing the registered names.
-    """
-    # Imported here: they pull in torch, which ``--help`` and config errors do not need.
-    from megatron_rl.algo.advantages import UnknownEstimatorError, get_advantage_estimator
-    from megatron_rl.rewards import RewardLoadError
-    from megatron_rl.tasks import UnknownTaskError, get_task
-
-    try:
-        get_advantage_estimator(config.algorithm.advantage.estimator)
-    except UnknownEstimatorError as e:
-        raise ConfigError("algorithm.advantage.estimator", str(e)) from None
-    try:
-        get_task(config.data.task)
-    except (UnknownTaskError, RewardLoadError) as e:
-        raise ConfigError(task_key, str(e)) from None
-    _check_model_type(config)
-
-
-def _check_model_type(config) -> None:
-    """The model's ``model_type`` (inline, or from the ``hf_config`` file) has a registered adapter."""
-    from megatron_rl.configlib import UnknownNameError
-    from megatron_rl.models.registry import ADAPTERS
-
-    if config.model.tiny is not None:
-        key, model_type, source = "model.tiny.model_type", config.model.tiny.model_type, ""
-    else:
-        key = "model.hf_config"
-        path = Path(config.model.hf_config)
-        path = path / "config.json" if path.is_dir() else path
-        source = f"{path}: "
-        try:
-            hf_config = json.loads(path.read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            raise ConfigError(key, f"{path} does not exist") from None
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ConfigError(key, f"cannot read {path}: {type(e).__name__}: {e}") from None
-        model_type = hf_config.get("model_type") if isinstance(hf_config, dict) else None
-        if not isinstance(model_type, str) or not model_type:
-            raise ConfigError(key, f"{path} has no 'model_type' string")
-    try:
-        ADAPTERS.get(model_type)
-    except UnknownNameError as e:
-        raise ConfigError(key, f"{source}{e}") from None
-
-
 @contextlib.contextmanager
 def renamed_fields_used() -> Iterator[dict[str, str]]:
     """Collect ``{current path: path as written}`` of every renamed config field given by
@@ -107,17 +59,6 @@ def renamed_fields_used() -> Iterator[dict[str, str]]:
 
         warnings.showwarning = record
         yield renamed
-
-
-def _check_data_files(config) -> None:
-    # Warnings, not errors: data may be generated later or live on a file system that only
-    # the cluster sees. Relative paths are relative to the working directory.
-    if not config.data.train_files:
-        warn_config("data.train_files", "is empty; the run has no training prompts")
-    for key in ("train_files", "eval_files"):
-        for i, name in enumerate(getattr(config.data, key)):
-            if not Path(name).exists():
-                warn_config(f"data.{key}[{i}]", f"file {name!r} does not exist (yet)")
 
 
 def _placement_summary(config) -> str:
@@ -147,13 +88,17 @@ def _print_yaml(text: str) -> None:
 def run(args: argparse.Namespace) -> int:
     """Validate the config, then train or (``--dry-run``) print and save it; returns the exit code."""
     from megatron_rl.config import load_run_config
+    from megatron_rl.preflight import preflight
 
     with renamed_fields_used() as renamed:
         config = load_run_config(args.config, args.overrides)
-    check_registries(config, task_key=renamed.get(TASK_KEY, TASK_KEY))
-    _check_data_files(config)
+    try:  # the same checks for a run and a dry run, before any process starts
+        checked = preflight(config, task_key=renamed.get(TASK_KEY, TASK_KEY))
+    except _BAD_INPUT as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USAGE
     if not args.dry_run:
-        return _train(config)
+        return _train(config, checked)
     _print_yaml(dump_yaml(config))
     saved = save_resolved(config, config.run_dir)
     print(_placement_summary(config), file=sys.stderr)
@@ -161,21 +106,40 @@ def run(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _train(config) -> int:
+# A bad input the pre-flight reports (besides ConfigError, which ``main`` prints): a bad data
+# file or row, or ``trainer.resume: never`` on a run directory that holds checkpoints.
+_BAD_INPUT = (ConfigError, ValueError, FileExistsError, FileNotFoundError)
+
+
+def _train(config, checked) -> int:
     # Imported here: the trainer pulls in Ray, megatron-core and transformers.
-    from megatron_rl.data.loaders import DataError
-    from megatron_rl.rewards import RewardLoadError
+    from ray.exceptions import RayActorError
+
+    from megatron_rl.actor.checkpoint import NonFiniteWeightsError
+    from megatron_rl.commands import reaper
+    from megatron_rl.rewards import AllRewardsFailedError
     from megatron_rl.trainer import NonFiniteStepsError, Trainer
 
+    # Lives until this process has exited (Ray's own shutdown at exit included) and then ends
+    # whatever the run left behind: the net under a driver killed outright.
+    reaper.start()
     try:
-        trainer = Trainer(config)
-    except (DataError, RewardLoadError, FileNotFoundError, FileExistsError, ValueError) as e:
+        trainer = Trainer(config, checked=checked)
+    except _BAD_INPUT as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE
     try:
         trainer.run()
-    except NonFiniteStepsError as e:
-        print(f"error: {e}", file=sys.stderr)
+    except (NonFiniteStepsError, NonFiniteWeightsError, AllRewardsFailedError) as e:
+        # Raised inside a Ray actor, the error arrives wrapped; its cause is the message.
+        print(f"error: step {trainer.step}: {getattr(e, 'cause', None) or e}", file=sys.stderr)
+        return EXIT_FAILURE
+    except RayActorError as e:  # a rank killed from outside (OOM killer, a node lost): resumable
+        print(
+            f"error: step {trainer.step}: a process of the run died ({type(e).__name__}: "
+            f"{str(e).splitlines()[0][:200]}); rerun the same command to resume from the last checkpoint",
+            file=sys.stderr,
+        )
         return EXIT_FAILURE
     finally:
         trainer.close()

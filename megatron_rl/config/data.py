@@ -8,6 +8,7 @@ from typing import Literal
 
 from megatron_rl.config.model import require_positive_ints
 from megatron_rl.configlib import (
+    MAX_TIMEOUT_S,
     ConfigError,
     check_literals,
     renamed_fields,
@@ -41,10 +42,11 @@ class DataConfig:
 
     reward_timeout_s: float = 10.0
     """Time limit for scoring one response; a response past it scores as a failed parse
-    (and is counted in ``reward/timeouts``)."""
+    (and is counted in ``reward/timeouts``). At most 86400 (a day)."""
 
     num_reward_workers: int = 2
-    """Worker processes that score responses (model output is parsed there, never executed)."""
+    """Worker processes that score responses (model output is parsed there, never
+    executed); at most 512."""
 
     prompt_template: Literal["chat", "literal", "none"] = "chat"
     """``chat``: the prompt as a user message in the tokenizer's chat template; ``literal``:
@@ -56,8 +58,8 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         check_literals(self)
-        require_range("reward_timeout_s", self.reward_timeout_s, gt=0.0)
-        require_range("num_reward_workers", self.num_reward_workers, ge=1)
+        require_range("reward_timeout_s", self.reward_timeout_s, gt=0.0, le=MAX_TIMEOUT_S)
+        require_range("num_reward_workers", self.num_reward_workers, ge=1, le=512)
         for key in ("prompt_key", "ground_truth_key"):
             if not getattr(self, key):
                 raise ConfigError(key, "got ''; must name a column")

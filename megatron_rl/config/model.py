@@ -72,7 +72,11 @@ class TinyModelConfig:
             "intermediate_size", "vocab_size", "max_position_embeddings",
         )  # fmt: skip
         require_range("rope_theta", self.rope_theta, gt=0.0)
-        require_range("rms_norm_eps", self.rms_norm_eps, gt=0.0)
+        require_range("rms_norm_eps", self.rms_norm_eps, gt=0.0, lt=1.0)
+        for name, most in (("hidden_size", 1 << 16), ("num_layers", 1024), ("num_attention_heads", 1024),
+                           ("num_key_value_heads", 1024), ("intermediate_size", 1 << 18), ("vocab_size", 1 << 22),
+                           ("max_position_embeddings", 1 << 22)):  # fmt: skip
+            require_range(name, getattr(self, name), ge=1, le=most)  # the inline model is for small runs
         if self.hidden_size % self.num_attention_heads:
             raise ConfigError(
                 "num_attention_heads",
@@ -110,9 +114,10 @@ class ModelOptions:
     section itself.
     """
 
-    dtype: Literal["float32", "bfloat16"] = "float32"
-    """Parameter and compute dtype of the actor. Gradients are reduced and the optimizer
-    keeps its master weights and moments in float32 in both cases."""
+    dtype: Literal["float32", "bfloat16"] | None = None
+    """Parameter and compute dtype of the actor; null: ``bfloat16`` for a HF model,
+    ``float32`` for the inline tiny one. Gradients are reduced and the optimizer keeps its
+    master weights and moments in float32 in both cases."""
 
     use_te: bool | None = None
     """Transformer-Engine layer spec: null picks it on CUDA when ``transformer_engine``
@@ -146,16 +151,16 @@ class ModelOptions:
         check_literals(self)
         if self.fp8 is not None and self.use_te is False:
             raise ConfigError("fp8", f"got {self.fp8!r}; FP8 needs the Transformer-Engine spec but use_te is false")
-        require_range("fp8_amax_history_len", self.fp8_amax_history_len, ge=1)
-        require_range("fp8_margin", self.fp8_margin, ge=0)
-        require_range("make_vocab_size_divisible_by", self.make_vocab_size_divisible_by, ge=1)
+        require_range("fp8_amax_history_len", self.fp8_amax_history_len, ge=1, le=1 << 16)
+        require_range("fp8_margin", self.fp8_margin, ge=0, le=64)
+        require_range("make_vocab_size_divisible_by", self.make_vocab_size_divisible_by, ge=1, le=1 << 16)
 
     @property
     def torch_dtype(self):
-        """``dtype`` as a ``torch.dtype`` (imports torch)."""
+        """``dtype`` as a ``torch.dtype`` (imports torch); float32 when unresolved."""
         import torch
 
-        return {"float32": torch.float32, "bfloat16": torch.bfloat16}[self.dtype]
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16, None: torch.float32}[self.dtype]
 
 
 @dataclass(kw_only=True)
@@ -195,6 +200,8 @@ class ModelConfig(ModelOptions):
             raise ConfigError("checkpoint", "got None; init 'pretrained' with a tiny model needs a checkpoint to load")
         if self.init == "random" and self.checkpoint is not None:
             warn_config("checkpoint", f"{self.checkpoint!r} is ignored because init is 'random'")
+        if self.dtype is None:  # resolved here, so the saved config says what ran
+            self.dtype = "float32" if self.tiny is not None else "bfloat16"
 
     @property
     def initial_weights(self) -> str | None:

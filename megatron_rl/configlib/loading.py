@@ -18,7 +18,7 @@ from megatron_rl.configlib.schema import (
     from_dict,
     to_dict,
 )
-from megatron_rl.configlib.yaml_io import _YamlLoader, apply_overrides, parse_yaml
+from megatron_rl.configlib.yaml_io import MAX_CONFIG_BYTES, _YamlLoader, apply_overrides, parse_yaml
 
 T = TypeVar("T")
 
@@ -92,15 +92,30 @@ def _error_source(path: str, text: str, overrides: Sequence[str], source: str) -
     return f"{source}, line {line}" if line else None
 
 
+def _read_config_text(path: Path) -> str:
+    """The text of config file ``path``: a regular UTF-8 file of at most ``MAX_CONFIG_BYTES``
+    (``/dev/zero`` or a FIFO would otherwise be read forever)."""
+    try:
+        if not path.is_file():
+            what = "does not exist" if not path.exists() else "is not a regular file"
+            raise ConfigError("", f"config file {path} {what}")
+        with open(path, "rb") as f:
+            raw = f.read(MAX_CONFIG_BYTES + 1)
+    except OSError as e:
+        raise ConfigError("", f"cannot read config file {path}: {e}") from None
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise ConfigError("", f"config file {path} is larger than {MAX_CONFIG_BYTES} bytes; a run config is a few KB")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw[: e.start].count(b"\n") + 1
+        raise ConfigError("", f"config file {path}, line {line}: not UTF-8 text ({e.reason})") from None
+
+
 def load_config(cls: type[T], yaml_path: str | os.PathLike[str], overrides: Iterable[str] = ()) -> T:
     """Read ``yaml_path``, apply dotted ``overrides`` and build ``cls``; errors name file and line."""
     path = Path(yaml_path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ConfigError("", f"config file {path} does not exist") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError("", f"cannot read config file {path}: {e}") from None
+    text = _read_config_text(path)
     data = parse_yaml(text, source=str(path))
     if data is None:
         raise ConfigError("", f"config file {path} is empty; expected a mapping of config sections")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import math
 import os
 import types
 import typing
@@ -69,12 +70,22 @@ def _type_error(path: str, value: Any, tp: Any) -> ConfigError:
     return ConfigError(path, message)
 
 
+def _nonfinite_error(path: str, value: Any) -> ConfigError:
+    shown = repr(value) if isinstance(value, float) else f"an integer of {len(str(value))} digits"
+    return ConfigError(path, f"got {shown}; must be a finite number")
+
+
 def _join(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
 
 
-def _convert(tp: Any, value: Any, path: str) -> Any:
-    """``value`` checked (and, int -> float only, converted) against annotation ``tp``."""
+def _convert(tp: Any, value: Any, path: str, allow_nonfinite: bool = False) -> Any:
+    """``value`` checked (and, int -> float only, converted) against annotation ``tp``.
+
+    A float must be finite (YAML reads ``.inf`` and ``.nan``) unless ``allow_nonfinite``
+    (the field's :data:`~megatron_rl.configlib.ALLOW_NONFINITE` metadata): one check for
+    every float field, whether or not its section states a range.
+    """
     if tp is Any:
         return value
     origin, args = typing.get_origin(tp), typing.get_args(tp)
@@ -91,10 +102,12 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
         arms = [a for a in args if a is not type(None)]
         if len(arms) == 1 and arms[0] not in (int, float, str, bool):
             # Optional[section | list | Literal]: X's own error names the precise field/values.
-            return _convert(arms[0], value, path)
+            return _convert(arms[0], value, path, allow_nonfinite)
+        if float in arms and int not in arms and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return _convert(float, value, path, allow_nonfinite)  # its own error (e.g. not finite) stands
         for arm in arms:
             try:
-                return _convert(arm, value, path)
+                return _convert(arm, value, path, allow_nonfinite)
             except ConfigError:
                 continue
         raise _type_error(path, value, tp)
@@ -104,14 +117,14 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
         if not isinstance(value, (list, tuple)):
             raise _type_error(path, value, tp)
         item_tp = args[0] if args else Any
-        return [_convert(item_tp, v, f"{path}[{i}]") for i, v in enumerate(value)]
+        return [_convert(item_tp, v, f"{path}[{i}]", allow_nonfinite) for i, v in enumerate(value)]
     if origin in (dict, Mapping) or tp is dict:
         if not isinstance(value, Mapping):
             raise _type_error(path, value, tp)
         key_tp, val_tp = args if args else (Any, Any)
         out = {}
         for k, v in value.items():
-            out[_convert(key_tp, k, f"{path}.{k}")] = _convert(val_tp, v, f"{path}.{k}")
+            out[_convert(key_tp, k, f"{path}.{k}")] = _convert(val_tp, v, f"{path}.{k}", allow_nonfinite)
         return out
     if tp is bool:
         if isinstance(value, bool):
@@ -123,7 +136,13 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
         raise _type_error(path, value, tp)
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
+            try:
+                value = float(value)
+            except OverflowError:  # an int beyond float range (YAML ints are unbounded)
+                raise _nonfinite_error(path, value) from None
+            if not allow_nonfinite and not math.isfinite(value):
+                raise _nonfinite_error(path, value)
+            return value
         raise _type_error(path, value, tp)
     if isinstance(tp, type) and not isinstance(value, tp):
         raise _type_error(path, value, tp)
@@ -233,7 +252,8 @@ def from_dict(cls: type[T], data: Any, path: str = "") -> T:
     for key, value in data.items():
         if not isinstance(key, str) or key not in fields:
             raise ConfigError(_join(path, str(key)), _unknown_field_message(str(key), path, fields))
-        kwargs[key] = _convert(hints[key], value, _join(path, written_as.get(key, key)))
+        allow_nonfinite = bool(fields[key].metadata.get("allow_nonfinite", False))
+        kwargs[key] = _convert(hints[key], value, _join(path, written_as.get(key, key)), allow_nonfinite)
     for name, f in fields.items():
         if name not in kwargs and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
             raise ConfigError(_join(path, name), "required field is missing")

@@ -12,7 +12,15 @@ What is particular to a task (its generator, prompt style and reward) lives in
 imports torch. See ``docs/data_and_rewards.md``.
 """
 
-from megatron_rl.data.loaders import DataError, PromptRow, load_rows, parquet_available, write_jsonl, write_parquet
+from megatron_rl.data.loaders import (
+    DataError,
+    PromptRow,
+    duplicate_ids,
+    load_rows,
+    parquet_available,
+    write_jsonl,
+    write_parquet,
+)
 from megatron_rl.data.prompts import PLAIN_STYLE, PromptEncoder, PromptStyle, render_prompt
 from megatron_rl.data.sampler import PromptSampler
 
@@ -23,6 +31,7 @@ __all__ = [
     "PromptRow",
     "PromptSampler",
     "PromptStyle",
+    "duplicate_ids",
     "load_rows",
     "parquet_available",
     "render_prompt",

@@ -7,9 +7,11 @@ Every other field is kept in :attr:`PromptRow.metadata` (e.g. ``num_people``, us
 report K&K accuracy per N).
 
 A bad row raises :class:`DataError` naming the file, the row (1-based: the line number
-in a ``.jsonl`` file, the record number in a ``.parquet`` file) and the field: invalid
-JSON, a row that is not an object, a missing or null field, a prompt that is not a
-non-empty string. Blank lines in ``.jsonl`` are skipped (and still counted).
+in a ``.jsonl`` file, the record number in a ``.parquet`` file) and the field: bytes that
+are not UTF-8, invalid JSON, a row that is not an object, a missing or null field, a
+prompt that is not a non-empty string. A file without any row is an error too. Blank
+lines in ``.jsonl`` are skipped (and still counted). :func:`duplicate_ids` finds rows
+sharing an ``id`` (the trainer warns about them: a repeated row is weighted twice).
 
 Parquet needs ``pyarrow``, which is optional: reading a ``.parquet`` file without it is
 an error that says how to install it; :func:`parquet_available` tells writers.
@@ -79,9 +81,18 @@ def _lookup(obj: dict[str, Any], key: str) -> Any:
 
 
 def iter_jsonl_records(path: str | os.PathLike) -> Iterator[tuple[int, dict[str, Any]]]:
-    """``(line number, object)`` for each non-blank line; :class:`DataError` on bad JSON."""
-    with open(path, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, 1):
+    """``(line number, object)`` for each non-blank line; :class:`DataError` on bytes that are
+    not UTF-8 or bad JSON (a UTF-8 byte-order mark at the start is allowed)."""
+    with open(path, "rb") as f:
+        for line_no, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8-sig" if line_no == 1 else "utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(
+                    f"not valid UTF-8: byte 0x{raw[e.start]:02x} at byte {e.start + 1} of the line",
+                    file=path,
+                    row=line_no,
+                ) from None
             if not line.strip():
                 continue
             try:
@@ -110,7 +121,9 @@ def iter_records(path: str | os.PathLike) -> Iterator[tuple[int, dict[str, Any]]
     """Raw records of a ``.jsonl`` or ``.parquet`` file, with 1-based row numbers."""
     path = Path(path)
     if not path.is_file():
-        raise DataError("no such file", file=path)
+        # A directory (or a FIFO, a device) is named as what it is: "no such file" would
+        # send the user looking for a file that is there.
+        raise DataError("no such file" if not path.exists() else "not a regular file (a directory?)", file=path)
     if path.suffix == ".jsonl":
         return iter_jsonl_records(path)
     if path.suffix == ".parquet":
@@ -129,6 +142,7 @@ def load_rows(
         paths = [paths]
     rows = []
     for path in paths:
+        before = len(rows)
         for row_no, record in iter_records(path):
             prompt = _lookup(record, prompt_key)
             if prompt is _MISSING or prompt is None:
@@ -146,7 +160,29 @@ def load_rows(
                 raise DataError(f"ground truth is {state}", file=path, row=row_no, field=ground_truth_key)
             metadata = {k: v for k, v in record.items() if k not in (prompt_key, ground_truth_key)}
             rows.append(PromptRow(prompt=prompt, ground_truth=truth, file=str(path), row=row_no, metadata=metadata))
+        if len(rows) == before:
+            raise DataError("the file holds no rows", file=path)
     return rows
+
+
+def duplicate_ids(
+    rows: Sequence[PromptRow], *, key: str = "id", earlier: Sequence[PromptRow] = ()
+) -> list[tuple[PromptRow, PromptRow]]:
+    """``(first row, repeating row)`` for every row of ``rows`` whose ``key`` field repeats the
+    one of an earlier row of ``rows`` or of ``earlier`` (e.g. eval rows against the training
+    rows); rows without the field are not compared."""
+    first: dict[str, PromptRow] = {}
+    repeats = []
+    for is_new, row in [(False, r) for r in earlier] + [(True, r) for r in rows]:
+        value = row.metadata.get(key)
+        if value is None:
+            continue
+        marker = json.dumps(value, sort_keys=True)  # ids may be numbers or strings; 1 and "1" differ
+        if marker not in first:
+            first[marker] = row
+        elif is_new:
+            repeats.append((first[marker], row))
+    return repeats
 
 
 # --------------------------------------------------------------------------- writing

@@ -119,6 +119,42 @@ class PromptEncoder:
             ids.append(tokens)
         return texts, ids
 
+    def check(self, rows: Sequence[PromptRow], *, batch_size: int = 1024) -> None:
+        """Render and tokenise every row once, before a run starts, so that a prompt that would
+        fail :meth:`encode` fails now and not at the step that draws it.
+
+        Raises :class:`~megatron_rl.data.loaders.DataError` for the first bad row (empty after
+        tokenisation, or longer than ``max_prompt_tokens``), saying how many others are bad.
+        """
+        bad: list[tuple[PromptRow, int]] = []
+        for lo in range(0, len(rows), batch_size):
+            chunk = rows[lo : lo + batch_size]
+            texts = [render_prompt(r.prompt, template=self.template, style=self.style, tokenizer=self.tokenizer)
+                     for r in chunk]  # fmt: skip
+            for row, ids in zip(chunk, self._tokenize(texts)):
+                if not ids or len(ids) > self.max_prompt_tokens:
+                    bad.append((row, len(ids)))
+        if not bad:
+            return
+        row, length = bad[0]
+        more = ""
+        if len(bad) > 1:
+            shown = ", ".join(f"{r.file} row {r.row}" for r, _ in bad[1:4])
+            more = f" ({len(bad) - 1} more bad prompt(s): {shown}{', ...' if len(bad) > 4 else ''})"
+        if length == 0:
+            raise DataError("the prompt is empty after tokenisation" + more, file=row.file, row=row.row, field="prompt")
+        raise DataError(
+            f"the prompt has {length} tokens, more than rollout.max_prompt_tokens={self.max_prompt_tokens}" + more,
+            file=row.file, row=row.row, field="prompt",
+        )  # fmt: skip
+
+    def _tokenize(self, texts: list[str]) -> list[list[int]]:
+        # One batched call where the tokenizer has it (the Rust tokenizers parallelise
+        # it); the same ids as ``encode`` gives one text at a time.
+        if callable(self.tokenizer) and hasattr(self.tokenizer, "batch_encode_plus"):
+            return list(self.tokenizer(texts, add_special_tokens=False)["input_ids"])
+        return [self.tokenizer.encode(t, add_special_tokens=False) for t in texts]
+
     def decode(self, token_ids: Sequence[int]) -> str:
         """The text of generated ``token_ids``, special tokens (end of sequence, padding) left out."""
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)

@@ -460,12 +460,15 @@ class DecoderAdapter:
             "share_embeddings_and_output_weights": d.tie_word_embeddings,
         }
 
-    def layer_spec(self, hf_config: Any = None, *, use_te: bool | None = None):
+    def layer_spec(self, hf_config: Any = None, *, use_te: bool | None = None, sequence_parallel: bool = False):
         """The decoder-layer ``ModuleSpec``.
 
         ``use_te=None`` picks the Transformer-Engine spec only on a CUDA machine where
         ``transformer_engine`` imports, else the local (pure megatron-core) spec. Both
-        give the same checkpoint keys.
+        give the same checkpoint keys. megatron-core's local norm refuses sequence
+        parallelism, so with ``sequence_parallel`` the local spec's norms are
+        :class:`~megatron_rl.models.norms.SequenceParallelRMSNorm` (the block's final norm
+        must then be one too: the actor builds the block spec).
         """
         if hf_config is not None:
             self.dims(hf_config)  # validate
@@ -475,7 +478,10 @@ class DecoderAdapter:
 
         if use_te:
             return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=self.qk_norm)
-        return gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=self.qk_norm, normalization="RMSNorm")
+        spec = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=self.qk_norm, normalization="RMSNorm")
+        if not sequence_parallel:
+            return spec
+        return _with_sequence_parallel_norms(spec, qk_norm=self.qk_norm)
 
     # -- weights -------------------------------------------------------------
 
@@ -536,6 +542,24 @@ class DecoderAdapter:
             return name.endswith(".rotary_emb.inv_freq") or (tied and name == "lm_head.weight")
 
         return ignorable
+
+
+def _with_sequence_parallel_norms(layer_spec, *, qk_norm: bool):
+    """The local layer spec with every norm swapped for one that supports sequence parallelism."""
+    from megatron_rl.models.norms import SequenceParallelRMSNorm
+
+    layer = layer_spec.submodules
+    attention = layer.self_attention
+    attn_sub = attention.submodules
+    if qk_norm:  # per-head norms (their grads are summed over TP by name, whatever the attribute)
+        attn_sub = dataclasses.replace(attn_sub, q_layernorm=SequenceParallelRMSNorm, k_layernorm=SequenceParallelRMSNorm)
+    layer = dataclasses.replace(
+        layer,
+        input_layernorm=SequenceParallelRMSNorm,
+        pre_mlp_layernorm=SequenceParallelRMSNorm,
+        self_attention=dataclasses.replace(attention, submodules=attn_sub),
+    )
+    return dataclasses.replace(layer_spec, submodules=layer)
 
 
 def _layer_units(d: ModelDims, i: int, *, q_rows: int, kv_rows: int, H: int, F: int) -> list[WeightUnit]:

@@ -20,18 +20,24 @@ Both directions stream: one HF tensor (or one layer row of one Megatron tensor) 
 in memory at a time, never the model; see docs/conversion.md and
 ``benchmarks/convert_memory.py``. Output appears atomically: everything is written
 into a temporary sibling directory that is renamed into place at the end and removed
-on any error. Bad input raises :class:`ConversionError` naming the file and tensor.
+on any error. Bad input raises :class:`ConversionError` naming the file and tensor; so
+does a full disk (checked against the output's size before writing, and ``ENOSPC`` /
+``EDQUOT`` while writing) or another I/O error. An HF directory without tokenizer files
+converts with a :class:`ConversionWarning`: a run from the checkpoint then needs
+``model.tokenizer``, and the way back exports none.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import json
 import os
 import shutil
 import tempfile
 import time
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -39,6 +45,7 @@ import torch
 
 from megatron_rl.models.common import ConversionError, DecoderAdapter, ModelDims, WeightUnit, padded_vocab_size
 from megatron_rl.models.hf_io import (
+    HF_AUX_FILES,
     SafetensorsReader,
     SafetensorsShardWriter,
     TensorSpec,
@@ -50,6 +57,7 @@ from megatron_rl.models.registry import adapter_for_config
 
 __all__ = [
     "ConversionError",
+    "ConversionWarning",
     "HfToMcoreOptions",
     "McoreToHfOptions",
     "ConversionSummary",
@@ -63,6 +71,14 @@ HF_CONFIG_SUBDIR = "hf_config"
 """Where hf-to-mcore keeps config.json, generation_config.json and tokenizer files."""
 RECORD_FILE = "megatron_rl_conversion.json"
 """Conversion record written next to the Megatron checkpoint (informational)."""
+TOKENIZER_FILES = tuple(n for n in HF_AUX_FILES if n not in ("config.json", "generation_config.json"))
+"""Files of :data:`HF_AUX_FILES` that make up a tokenizer."""
+
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+
+
+class ConversionWarning(UserWarning):
+    """A conversion that succeeded but lacks something a user will likely need."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -127,17 +143,49 @@ class ConversionSummary:
 # ----------------------------------------------------------------------------- shared
 
 
+def _is_no_space(error: BaseException) -> bool:
+    """Whether ``error`` (or what caused it) is a full disk or an exceeded quota. DCP's wrapped
+    errors keep only the message, so that is read too."""
+    seen: BaseException | None = error
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno in _NO_SPACE:
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return any(os.strerror(code) in str(error) for code in _NO_SPACE)
+
+
+def _gib(num_bytes: float) -> str:
+    """A byte count for people: ``3.20 GiB``, ``12.5 MiB``, ``40 KiB``."""
+    if num_bytes >= 2**30:
+        return f"{num_bytes / 2**30:.2f} GiB"
+    return f"{num_bytes / 2**20:.1f} MiB" if num_bytes >= 2**20 else f"{num_bytes / 2**10:.0f} KiB"
+
+
 @contextlib.contextmanager
-def _atomic_output_dir(out_dir: Path) -> Iterator[Path]:
-    """Yield a temporary sibling of ``out_dir``; rename it into place on success, delete it on error."""
+def _atomic_output_dir(out_dir: Path, *, needed_bytes: int = 0) -> Iterator[Path]:
+    """Yield a temporary sibling of ``out_dir``; rename it into place on success, delete it on error.
+
+    Refuses up front when the file system has less than ``needed_bytes`` free; a full disk
+    or another I/O error while writing becomes a :class:`ConversionError` saying so.
+    """
     out_dir = Path(out_dir).absolute()
     if out_dir.exists():
         if not out_dir.is_dir():
             raise ConversionError(f"output path {out_dir} exists and is not a directory")
         if any(out_dir.iterdir()):
             raise ConversionError(f"output directory {out_dir} is not empty")
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    try:
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+        free = shutil.disk_usage(tmp).free
+    except OSError as e:
+        raise ConversionError(f"cannot create the output directory {out_dir}: {e.strerror or e}") from None
+    if needed_bytes > free:
+        tmp.rmdir()
+        raise ConversionError(
+            f"not enough space for {out_dir}: the output needs about {_gib(needed_bytes)}, "
+            f"its file system has {_gib(free)} free"
+        )
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(tmp, 0o777 & ~umask)  # mkdtemp creates 0700
@@ -145,8 +193,16 @@ def _atomic_output_dir(out_dir: Path) -> Iterator[Path]:
         yield tmp
         # rename() replaces an empty directory atomically on POSIX.
         os.rename(tmp, out_dir)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        if _is_no_space(e):
+            free = shutil.disk_usage(out_dir.parent).free
+            raise ConversionError(
+                f"no space left on the device while writing {out_dir} (about {_gib(needed_bytes)} needed, "
+                f"{_gib(free)} free now); the partial output was removed"
+            ) from None
+        if isinstance(e, OSError):
+            raise ConversionError(f"I/O error during the conversion to {out_dir}: {e}") from None
         raise
 
 
@@ -226,10 +282,23 @@ def hf_to_mcore(options: HfToMcoreOptions) -> ConversionSummary:
         tensors = {name: reader.read(name).to(dtypes[unit.mcore_name]) for name in unit.hf_names}
         return adapter.hf_to_mcore(unit, tensors)
 
-    with _atomic_output_dir(options.out_dir) as tmp:
+    needed = sum(
+        TensorSpec(name=n, shape=reader.entries[n].shape, dtype=dtypes[u.mcore_name]).nbytes
+        for u in units
+        for n in u.hf_names
+    )
+    with _atomic_output_dir(options.out_dir, needed_bytes=needed) as tmp:
         tensor_bytes = write_checkpoint(tmp, units, num_layers=dims.num_layers, dtypes=dtypes, produce=produce)
         (tmp / HF_CONFIG_SUBDIR).mkdir()
-        copy_aux_files(hf_dir, tmp / HF_CONFIG_SUBDIR)
+        copied = copy_aux_files(hf_dir, tmp / HF_CONFIG_SUBDIR)
+        if not set(copied) & set(TOKENIZER_FILES):
+            warnings.warn(
+                ConversionWarning(
+                    f"{hf_dir} has no tokenizer files (tokenizer.json, tokenizer.model, vocab.json, ...): a run "
+                    "from this checkpoint needs model.tokenizer, and mcore-to-hf will export none"
+                ),
+                stacklevel=2,
+            )
         record = {
             "format_version": 1,
             "direction": "hf-to-mcore",
@@ -322,7 +391,8 @@ def mcore_to_hf(options: McoreToHfOptions) -> ConversionSummary:
         specs += [TensorSpec(name=n, shape=tuple(s), dtype=dtype) for n, s in zip(unit.hf_names, unit.hf_shapes)]
     dtype_of = {s.name: s.dtype for s in specs}
 
-    with _atomic_output_dir(options.out_dir) as tmp, single_process_group():
+    needed = sum(spec.nbytes for spec in specs)
+    with _atomic_output_dir(options.out_dir, needed_bytes=needed) as tmp, single_process_group():
         writer = SafetensorsShardWriter(tmp, specs, max_shard_bytes=options.max_shard_bytes)
         try:
             for unit in units:

@@ -2,11 +2,12 @@
 Weights & Biases (offline unless configured), written by rank 0 only.
 
 Keys are namespaced by what they measure: ``rollout/reward/mean``, ``loss/clip_frac/high``,
-``timing_s/generate``, ``tokens/prob_q1/grad_share``. Each JSONL line is one step:
+``timing_s/generate``, ``tokens/quartile_q1/grad_share``. Each JSONL line is one step:
 ``{"step": 12, "time": 1732150000.0, "rollout/reward/mean": 0.4, ...}``. Lines are
 flushed and fsync'ed as they are written, so a crash loses at most the line being
-written; on resume, lines of steps after the checkpoint are dropped (``truncate_after``)
-so the file never holds two histories.
+written; when a run starts, lines of steps after the checkpoint it resumes from (every
+line, on a fresh start) are dropped (``truncate_after``): they were written by a run that
+died before its next checkpoint and are about to be replayed, so each step is logged once.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import os
 import time
 from pathlib import Path
 from typing import Any
+
+from megatron_rl.checkpoint_integrity import fsync_dir
 
 
 class MetricsSink:
@@ -70,9 +73,11 @@ class MetricsSink:
             self._wandb.log({k: v for k, v in clean.items() if v is not None}, step=int(step))
 
     def truncate_after(self, step: int) -> None:
-        """Drop lines of steps > ``step`` (after resuming from the checkpoint of ``step``)."""
+        """Drop lines of steps > ``step`` (and lines without a step): called as a run starts from
+        the checkpoint of ``step``, or from scratch with ``step=0``. Atomic (a temporary file
+        replaces the old one)."""
         self._file.close()
-        kept = [r for r in read_metrics(self.path) if r["step"] <= step]
+        kept = [r for r in read_metrics(self.path) if isinstance(r.get("step"), int) and r["step"] <= step]
         tmp = self.path.with_suffix(".jsonl.tmp")
         with open(tmp, "w", encoding="utf-8") as f:
             for r in kept:
@@ -80,6 +85,7 @@ class MetricsSink:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, self.path)
+        fsync_dir(self.path.parent)
         self._file = open(self.path, "a", encoding="utf-8")
 
     def close(self) -> None:
@@ -101,9 +107,11 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
             if not line:
                 continue
             try:
-                records.append(json.loads(line))
+                record = json.loads(line)
             except json.JSONDecodeError:
                 continue  # only a crash mid-write produces this, and only on the last line
+            if isinstance(record, dict):
+                records.append(record)
     return records
 
 

@@ -25,7 +25,7 @@ hidden ``[*S, H]``, lm-head weight ``[V_local, H]``.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -38,6 +38,7 @@ from megatron_rl.ops.vocab_parallel import (
     SoftmaxStats,
     VocabShard,
     chunk_rows,
+    linear_chunk_rows,
     logit_grad_chunk,
     softmax_stats,
     tp_rank_and_size,
@@ -58,7 +59,9 @@ class VocabParallelOptions:
     """True global vocabulary size; columns beyond it are TP padding (``None``: no padding)."""
 
     chunk_tokens: int | None = None
-    """Tokens processed per chunk (``None``: about 4 MiB of float32 logits per chunk)."""
+    """Tokens processed per chunk (``None``: about 4 MiB of float32 logits per chunk over
+    materialised logits; 64 MiB on CPU, 256 MiB on CUDA in the fused lm-head mode; see
+    ``vocab_parallel``)."""
 
     token_grad_norms: bool = False
     """Also compute each token's ``||dL/dlogits_t||`` (of the loss SUM, whole vocabulary) into
@@ -130,7 +133,7 @@ def vocab_parallel_logprobs_from_hidden(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`vocab_parallel_logprobs` from hidden states ``[*S, H]`` and the lm-head shard
     ``[V_local, H]``, multiplying chunk by chunk (the logits never exist in full)."""
-    options = options or VocabParallelOptions()
+    options = _linear_options(options or VocabParallelOptions(), hidden, weight)
     h = hidden.reshape(-1, hidden.shape[-1])
     stats = _stats(lambda sl: h[sl] @ weight.t(), targets, mask, weight.shape[0], options, hidden.dtype)
     return stats.logp.reshape(targets.shape), stats.entropy.reshape(targets.shape)
@@ -155,7 +158,9 @@ def _stats(
     )
 
 
-def _workspace(num_tokens: int, vocab_local: int, options: VocabParallelOptions, dtype, device) -> ChunkWorkspace | None:
+def _workspace(
+    num_tokens: int, vocab_local: int, options: VocabParallelOptions, dtype, device
+) -> ChunkWorkspace | None:
     """One workspace shared by the stats and gradient passes (``None`` for a padding-only rank)."""
     shard = VocabShard.of(vocab_local, options.tp_group, options.vocab_size)
     if shard.num_valid == 0:
@@ -280,14 +285,23 @@ class _FusedLinearPolicyLoss(torch.autograd.Function):
             elif weight.requires_grad:
                 grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device)
             num_valid = VocabShard.of(weight.shape[0], options.tp_group, options.vocab_size).num_valid
-            w_valid = weight[:num_valid].to(acc)
+            w_valid = weight[:num_valid]
             for sl, g in _grad_chunks(chunk, stats, inputs, g_logp, g_ent, weight.shape[0], options, ws):
                 if g is None:
                     continue
+                # The matmuls run in the input dtype (bf16 on GPUs) accumulating in float32,
+                # like megatron's own output layer; float32 inputs are unchanged.
+                g_in = g.to(hidden.dtype)
+                if g_in.dtype == acc:  # float32/float64: in place, no temporaries
+                    if grad_h is not None:
+                        torch.matmul(g_in, w_valid, out=grad_h[sl])
+                    if grad_w is not None:
+                        grad_w[:num_valid].addmm_(g_in.t(), h[sl])
+                    continue
                 if grad_h is not None:
-                    torch.matmul(g, w_valid, out=grad_h[sl])
+                    grad_h[sl] = _matmul_f32(g_in, w_valid)
                 if grad_w is not None:
-                    grad_w[:num_valid].addmm_(g.t(), h[sl].to(acc))
+                    grad_w[:num_valid] += _matmul_f32(g_in.t(), h[sl])
             _, tp_size = tp_rank_and_size(options.tp_group)
             if grad_h is not None and tp_size > 1:
                 # Each rank's vocabulary shard contributes a partial dL/dh: sum them.
@@ -307,6 +321,14 @@ class _FusedLinearPolicyLoss(torch.autograd.Function):
         if grad_w is not None:
             grad_w = grad_w * grad_output.to(grad_w.dtype)
         return grad_h, grad_w, None, None, None, None, None
+
+
+def _matmul_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` in the inputs' dtype with a float32 result (float32 accumulation; on CUDA
+    the product is written in float32 directly)."""
+    if a.is_cuda:
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return (a @ b).float()
 
 
 def _grad_chunks(chunk_logits, stats, inputs: LossInputs, g_logp, g_ent, vocab_local, options, ws, out=None):
@@ -336,7 +358,9 @@ def _grad_chunks(chunk_logits, stats, inputs: LossInputs, g_logp, g_ent, vocab_l
         row_scale, row_shift = -g_logp * inv_t, None
     else:  # ... - g_H p (log p + H)
         row_scale, row_shift = -g_ent * inv_t, -(g_logp + g_ent * stats.entropy) * inv_t
-    sq_norm = torch.zeros(num_tokens, dtype=stats.logp.dtype, device=targets.device) if options.token_grad_norms else None
+    sq_norm = (
+        torch.zeros(num_tokens, dtype=stats.logp.dtype, device=targets.device) if options.token_grad_norms else None
+    )
     for begin in range(0, num_tokens, rows):
         sl = slice(begin, min(begin + rows, num_tokens))
         g = logit_grad_chunk(
@@ -415,7 +439,7 @@ def fused_linear_policy_loss(
     count afterwards, as megatron's ``calculate_per_token_loss`` does); the weight then
     gets no ``.grad`` from this op. Saves a weight-sized temporary.
     """
-    options = options or VocabParallelOptions()
+    options = _linear_options(options or VocabParallelOptions(), hidden, weight)
     _check_shapes(hidden.shape[:-1], inputs)
     if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
         raise ValueError(f"weight must be [V_local, {hidden.shape[-1]}], got {tuple(weight.shape)}")
@@ -428,8 +452,18 @@ def fused_linear_policy_loss(
     return out, holder["stats"]
 
 
+def _linear_options(options: VocabParallelOptions, hidden: torch.Tensor, weight: torch.Tensor) -> VocabParallelOptions:
+    """The fused lm-head mode's chunking: large chunks unless given (see ``LINEAR_CHUNK_BYTES``)."""
+    if options.chunk_tokens is not None:
+        return options
+    num_tokens = hidden.numel() // max(hidden.shape[-1], 1)
+    return replace(options, chunk_tokens=linear_chunk_rows(num_tokens, weight.shape[0], hidden.device))
+
+
 def _check_shapes(token_shape: torch.Size, inputs: LossInputs) -> None:
     for name in ("targets", "old_logp", "advantages", "mask", "ref_logp", "seq_index"):
         t = getattr(inputs, name)
         if t is not None and t.shape != token_shape:
-            raise ValueError(f"inputs.{name} has shape {tuple(t.shape)}; the logits' token shape is {tuple(token_shape)}")
+            raise ValueError(
+                f"inputs.{name} has shape {tuple(t.shape)}; the logits' token shape is {tuple(token_shape)}"
+            )

@@ -14,7 +14,14 @@ It imports neither torch nor math-verify (math-verify is imported when first cal
 reward worker processes start fast. See ``docs/data_and_rewards.md``.
 """
 
-from megatron_rl.rewards.pool import DEFAULT_TIMEOUT_S, RewardPool, score_batch, summarize
+from megatron_rl.rewards.pool import (
+    DEFAULT_TIMEOUT_S,
+    AllRewardsFailedError,
+    RewardErrorStreak,
+    RewardPool,
+    score_batch,
+    summarize,
+)
 from megatron_rl.rewards.registry import (
     REWARDS,
     RewardFunction,
@@ -32,8 +39,10 @@ from megatron_rl.rewards.registry import (
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
+    "AllRewardsFailedError",
     "REWARDS",
     "RewardFunction",
+    "RewardErrorStreak",
     "RewardLoadError",
     "RewardPool",
     "RewardResult",

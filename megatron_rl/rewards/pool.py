@@ -10,21 +10,31 @@ counted; nothing a reward function does can crash or stall the trainer.
 
 Workers are started with ``spawn`` (no inherited CUDA, Ray or torch thread state) and are
 kept between batches; start-up (Python plus the function's imports, about a second) is
-not counted against any sample's limit. The function is sent to the workers by pickle,
+not counted against any sample's limit. A worker dies with the process that started it,
+even when that one is killed with SIGKILL and cannot clean up: on Linux the kernel sends
+it SIGKILL (``prctl(PR_SET_PDEATHSIG)``; the parent *thread* counts, so score from a
+long-lived thread such as the main one), elsewhere a watch thread exits when the parent
+is gone. The function is sent to the workers by pickle,
 so it must be importable by name (a registered reward, a ``module:function``, or any
 module-level function); a lambda or closure is refused when the pool is created.
 
 :func:`score_batch` is the one-call form returning ``(scores, metrics)`` with the counts
 ``reward/parse_failures`` (every sample scored as a failure, whatever the cause),
 ``reward/timeouts`` and ``reward/exceptions`` (raised, returned a non-number, or its
-worker died).
+worker died). :class:`RewardErrorStreak` turns "the reward failed on every response" for
+several steps in a row into an error: such a run learns nothing.
 """
 
 from __future__ import annotations
 
+import ctypes
 import multiprocessing
 import multiprocessing.connection
+import os
 import pickle
+import signal
+import sys
+import threading
 import time
 import weakref
 from collections import deque
@@ -32,6 +42,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from megatron_rl.configlib import MAX_TIMEOUT_S
 from megatron_rl.rewards.registry import (
     RewardFunction,
     RewardResult,
@@ -48,8 +59,32 @@ DEFAULT_START_TIMEOUT_S = 120.0
 """How long a worker may take to start and import the reward function."""
 
 
-def _worker_main(conn: multiprocessing.connection.Connection, payload: bytes) -> None:
+_PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """Make this process exit when ``parent_pid`` (the pool's process) goes away."""
+    armed = False
+    if sys.platform.startswith("linux"):
+        try:
+            armed = ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0
+        except (OSError, AttributeError):
+            armed = False
+    if os.getppid() != parent_pid:  # the parent died before the signal was armed
+        os._exit(1)
+    if not armed:
+
+        def watch() -> None:
+            while os.getppid() == parent_pid:
+                time.sleep(0.5)
+            os._exit(1)
+
+        threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+def _worker_main(conn: multiprocessing.connection.Connection, payload: bytes, parent_pid: int) -> None:
     """Worker process: load the function, then score tasks until told to stop."""
+    _die_with_parent(parent_pid)
     try:
         fn = pickle.loads(payload)
     except BaseException as e:  # report any import failure instead of dying silently
@@ -129,8 +164,12 @@ class RewardPool:
     ):
         if num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
-        if not timeout_s > 0 or not start_timeout_s > 0:
-            raise ValueError(f"timeouts must be > 0, got timeout_s={timeout_s}, start_timeout_s={start_timeout_s}")
+        if not 0 < timeout_s <= MAX_TIMEOUT_S or not 0 < start_timeout_s <= MAX_TIMEOUT_S:
+            # Past about 2.1e6 s the waits below overflow (OverflowError at the first batch).
+            raise ValueError(
+                f"timeouts must be in (0, {MAX_TIMEOUT_S:g}] s, got timeout_s={timeout_s}, "
+                f"start_timeout_s={start_timeout_s}"
+            )
         self.fn = as_reward(fn)
         self.num_workers = num_workers
         self.timeout_s = float(timeout_s)
@@ -161,7 +200,10 @@ class RewardPool:
     def _start_worker(self) -> None:
         parent_conn, child_conn = self._ctx.Pipe(duplex=True)
         process = self._ctx.Process(
-            target=_worker_main, args=(child_conn, self._payload), daemon=True, name=f"reward-{self.fn.name}"
+            target=_worker_main,
+            args=(child_conn, self._payload, os.getpid()),
+            daemon=True,
+            name=f"reward-{self.fn.name}",
         )
         process.start()
         child_conn.close()  # the child holds its own copy; closing ours makes its death visible as EOF
@@ -278,6 +320,45 @@ def summarize(results: Sequence[RewardResult]) -> tuple[list[float], dict[str, i
         "reward/exceptions": sum(r.error is not None and not r.timed_out for r in results),
     }
     return scores, metrics
+
+
+class AllRewardsFailedError(RuntimeError):
+    """The reward failed (raised or timed out) on every response for several steps in a row."""
+
+
+class RewardErrorStreak:
+    """Counts training steps in a row in which the reward failed on EVERY response.
+
+    Such a step scores every response ``failure_score``: the advantages are all zero and
+    nothing is learnt, yet the run looks healthy but for a counter (a ground truth the
+    reward cannot read does this). ``limit`` such steps in a row raise
+    :class:`AllRewardsFailedError` quoting one of the errors; a step with one scored
+    response resets the count.
+    """
+
+    def __init__(self, limit: int):
+        if limit < 1:
+            raise ValueError(f"limit must be >= 1, got {limit}")
+        self.limit = limit
+        self.count = 0
+        """Steps in a row so far whose every response failed."""
+
+    def update(self, step: int, results: Sequence[RewardResult]) -> None:
+        """Record step ``step``'s results; raises once ``limit`` steps in a row failed entirely."""
+        failed = [r for r in results if r.error is not None]
+        self.count = self.count + 1 if results and len(failed) == len(results) else 0
+        if self.count >= self.limit:
+            raise AllRewardsFailedError(
+                f"the reward failed on every response for {self.count} steps in a row "
+                f"(trainer.max_consecutive_reward_error_steps={self.limit}), so the run learns nothing; "
+                f"e.g. {failed[0].error}"
+            )
+
+    def state_dict(self) -> dict[str, int]:
+        return {"reward_error_steps": self.count}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.count = int(state.get("reward_error_steps", 0))
 
 
 def score_batch(

@@ -27,11 +27,14 @@ function's ``failure_score`` attribute if it has one, else 0.0. Likewise ``succe
 (default 1.0): a response scoring at least this counts as correct in accuracy metrics.
 
 Model output is data, never code: nothing here (or in the built-in rewards) calls
-``eval``/``exec`` on a response.
+``eval``/``exec`` on a response, and a ``module:function`` spec naming a function of
+Python's ``builtins`` (``builtins:eval`` would evaluate every response) or of a module
+that runs commands or code (:data:`REFUSED_MODULES`) is refused when it is loaded.
 """
 
 from __future__ import annotations
 
+import builtins
 import dataclasses
 import importlib
 import inspect
@@ -45,6 +48,13 @@ from megatron_rl.configlib import Registry, UnknownNameError
 # How much of an exception message is kept in a RewardResult (responses can be long,
 # and an exception message may quote the whole response).
 _MAX_ERROR_CHARS = 500
+
+REFUSED_MODULES = frozenset(
+    {"builtins", "os", "posix", "nt", "subprocess", "pty", "sys", "code", "codeop", "runpy", "importlib", "pickle",
+     "marshal", "ctypes", "shutil", "multiprocessing"}
+)  # fmt: skip
+"""Modules (and their submodules) a ``module:function`` reward may not come from: none holds
+a reward, and some functions there would run the response as code or as a command."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -179,6 +189,11 @@ def import_by_path(spec: str) -> Any:
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr or ":" in attr:
         raise RewardLoadError(f"reward {spec!r}: a user reward is written 'package.module:function'")
+    if module_name.partition(".")[0] in REFUSED_MODULES:
+        raise RewardLoadError(
+            f"reward {spec!r}: functions of {module_name!r} are refused (they could run model output as code "
+            "or commands); write a reward function in a module of your own"
+        )
     try:
         module = importlib.import_module(module_name)
     except Exception as e:  # any import-time failure of user code is the user's to see
@@ -204,6 +219,11 @@ def reward_from_callable(spec: str, obj: Any) -> RewardFunction:
     if not callable(obj):
         attr = spec.partition(":")[2]
         raise RewardLoadError(f"reward {spec!r}: {attr!r} is not callable (it is a {type(obj).__name__})")
+    if getattr(obj, "__module__", None) in REFUSED_MODULES or getattr(obj, "__self__", None) is builtins:
+        # e.g. ``mymodule:ev`` after ``ev = eval`` in mymodule
+        raise RewardLoadError(
+            f"reward {spec!r}: it is Python's {getattr(obj, '__name__', obj)!r}, which is refused as a reward"
+        )
     failure_score = getattr(obj, "failure_score", 0.0)
     if not isinstance(failure_score, (int, float)) or not math.isfinite(failure_score):
         raise RewardLoadError(f"reward {spec!r}: its failure_score attribute must be a finite number")

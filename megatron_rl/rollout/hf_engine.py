@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -37,14 +37,15 @@ import torch
 
 from megatron_rl.rollout.base import (
     Completion,
-    EngineAsleepError,
     GenerateStats,
     RolloutEngine,
     SamplingParams,
     check_prompts,
+    checkpoint_tensors,
     prompt_seeds_for,
 )
 from megatron_rl.rollout.sampling import row_seeds, sample_next, sample_uniforms
+from megatron_rl.weight_transfer.meta import TensorMeta
 
 __all__ = ["HFEngine", "HFEngineArgs"]
 
@@ -84,6 +85,9 @@ class HFEngineArgs:
 class HFEngine(RolloutEngine):
     """Rollout engine over a ``transformers`` causal LM loaded from a local directory.
 
+    Receives weights as host tensors (``object_store``) or as a member of a ``gloo``
+    transfer group (``weight_transfer.gloo``), copying each tensor into the model.
+
     Args:
         model_path: HF model directory (``config.json`` + safetensors).
         name: engine name used in completions and errors.
@@ -113,16 +117,21 @@ class HFEngine(RolloutEngine):
         # state_dict(keep_vars=True) maps every HF name to the live tensor, tied names
         # included (lm_head.weight and model.embed_tokens.weight are the same Parameter).
         self._targets: dict[str, torch.Tensor] = dict(self.model.state_dict(keep_vars=True))
-        self._version = 0
+        # What a sync carries: the checkpoint's tensors that are tensors of the model.
+        self._expected = {
+            name: meta
+            for name, meta in checkpoint_tensors(self.model_path, _DTYPES[self.args.dtype]).items()
+            if name in self._targets
+        }
+        self._receiver = None
         self._sleeping = False
         self.stats = GenerateStats()
         logger.info("%s: loaded %s in %.2fs on %s", name, self.model_path, time.perf_counter() - start, self.device)
 
     # ------------------------------------------------------------------ state
 
-    @property
-    def weight_version(self) -> int:
-        return self._version
+    weight_backends = ("object_store", "gloo")
+    weight_formats = ("auto", "fp8")  # fp8: dequantized on load (weight_transfer.fp8)
 
     @property
     def sleeping(self) -> bool:
@@ -154,25 +163,36 @@ class HFEngine(RolloutEngine):
 
     # ------------------------------------------------------------------ weights
 
+    def expected_weights(self) -> dict[str, TensorMeta]:
+        return self._expected
+
+    def weight_checksums(self) -> dict[str, str]:
+        """SHA-256 of every expected tensor's bytes, by HF name: equal iff bit-identical."""
+        import hashlib
+
+        return {
+            name: hashlib.sha256(self._targets[name].detach().cpu().contiguous().view(torch.uint8).numpy()).hexdigest()
+            for name in self._expected
+        }
+
     @torch.no_grad()
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> dict[str, int]:
-        num_tensors = num_bytes = 0
+    def _load_host(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
+        # copy_ converts dtype and device; when asleep on CUDA the target is the host copy
+        # and moves back with wake().
         for name, tensor in named_tensors:
-            target = self._targets.get(name)
-            if target is None:
-                raise KeyError(f"{self.name}: weight {name!r} is not a tensor of the model at {self.model_path}")
-            if tuple(target.shape) != tuple(tensor.shape):
-                raise ValueError(
-                    f"{self.name}: weight {name!r} has shape {tuple(tensor.shape)}; "
-                    f"the model's is {tuple(target.shape)}"
-                )
-            # copy_ converts dtype and device; when asleep on CUDA the target is the host copy
-            # and moves back with wake().
-            target.copy_(tensor)
-            num_tensors += 1
-            num_bytes += tensor.numel() * tensor.element_size()
-        self._version = int(version)
-        return {"num_tensors": num_tensors, "num_bytes": num_bytes}
+            self._targets[name].copy_(tensor)
+
+    def _join_transfer(self, init_info: dict[str, Any]) -> None:
+        from megatron_rl.weight_transfer.gloo import GlooInitInfo, GlooReceiver
+
+        if self._receiver is not None:
+            self._receiver.shutdown()
+        self._receiver = GlooReceiver(GlooInitInfo(**init_info))
+
+    def _receive(self, update_info: dict[str, Any]) -> None:
+        if self._receiver is None:
+            raise RuntimeError(f"{self.name}: receive_weights() before init_weight_transfer()")
+        self._receiver.receive(update_info, load=self._load_wire)
 
     # ------------------------------------------------------------------ generation
 
@@ -183,8 +203,7 @@ class HFEngine(RolloutEngine):
         *,
         prompt_seeds: Sequence[int] | None = None,
     ) -> list[list[Completion]]:
-        if self._sleeping:
-            raise EngineAsleepError(f"{self.name}: generate() called while asleep; call wake() first")
+        self._check_can_generate()
         check_prompts(prompts, vocab_size=self.vocab_size)
         for i, prompt in enumerate(prompts):
             if len(prompt) + params.max_new_tokens > self.max_positions:

@@ -13,16 +13,20 @@ which reloads the *initial* checkpoint) and ``max_task_retries=0``: the pool, no
 decides what to retry, because a restarted engine must first get the current weights
 back. When a request fails because its engine died (or exceeded ``request_timeout_s``,
 in which case the pool kills it so Ray restarts it), the pool waits for the engine to
-come back, reloads the latest synced weights into it (the pool keeps the ObjectRefs of
-the last sync's buckets, see ``keep_weights_for_restart``), and retries the request
-once; a second failure, an engine that does not come back, or an exception raised by the
-engine code itself raises :class:`RolloutEngineError` naming the engine and the request.
+come back, brings it to the pool's weight version (:attr:`RolloutPool.restorer`, or
+the buckets of the last object-store sync, see ``keep_weights_for_restart``), and
+retries the request once; a second failure, an engine that does not come back, or an
+exception raised by the engine code itself raises :class:`RolloutEngineError` naming
+the engine and the request.
 
-Weights. :meth:`RolloutPool.sync` is the one weight-sync path (the trainer and the
-tests drive it alike): it takes the buckets of a whole model (``weight_buckets``), puts
-each in the object store once (or takes the ObjectRef a producer already put), has every
-engine load it, and keeps at most ``max_inflight_buckets`` loading at a time. Every
-completion carries the ``weight_version`` of the engine weights that produced it.
+Weights. A sync is one version for every live engine: :meth:`RolloutPool.begin_update`
+(every engine checks the version's metadata; a refusal raises before anything moves),
+then the tensors, then :meth:`RolloutPool.commit_update`. The tensors come either
+through Ray's object store (:meth:`RolloutPool.sync`: the buckets of a whole model,
+each put once, every engine loading it, at most ``max_inflight_buckets`` at a time) or
+from a sender's transfer group that the engines join (:meth:`RolloutPool.client`, used
+by the actor's rank 0; ``megatron_rl.weight_transfer``). Every completion carries the
+``weight_version`` of the engine weights that produced it.
 
 Placement (which node, how many CPUs/GPUs per engine) comes from
 :mod:`megatron_rl.placement`; the pool only applies it.
@@ -34,7 +38,7 @@ import collections
 import logging
 import math
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,16 +50,21 @@ from megatron_rl.rollout.base import (
     check_prompts,
     prompt_seeds_for,
 )
+from megatron_rl.rollout.engine_client import (
+    EngineGroupClient,
+    RolloutEngineError,
+    TransferFailedError,
+    actor_errors,
+    gather_calls,
+    wait_until_back,
+)
 from megatron_rl.rollout.worker import EngineWorker
 from megatron_rl.weight_buckets import WeightBucket
+from megatron_rl.weight_transfer.meta import TensorMeta
 
 __all__ = ["RolloutEngineError", "RolloutPool"]
 
 logger = logging.getLogger(__name__)
-
-
-class RolloutEngineError(RuntimeError):
-    """A rollout request or engine operation failed for good (the message names both)."""
 
 
 @dataclass
@@ -75,13 +84,6 @@ class _Request:
         return f"request {self.index}/{self.num_requests} (prompts {self.lo}..{self.hi - 1} of {num_prompts})"
 
 
-def _actor_errors() -> tuple[type[BaseException], ...]:
-    import ray.exceptions as rex
-
-    return (rex.RayActorError, rex.WorkerCrashedError)
-
-
-
 class RolloutPool:
     """``rollout.num_engines`` engines of ``rollout.engine`` as Ray actors; ``ray.init`` must have run.
 
@@ -92,6 +94,9 @@ class RolloutPool:
         placement: where each engine runs (:mod:`megatron_rl.placement`); default: one
             Ray CPU per engine, Ray's own scheduling.
         name_prefix: engines are named ``{name_prefix}-{index}`` in completions, logs and errors.
+        weight_backend: how the engines receive weights (``object_store``, or the transfer
+            backend of ``rollout.weight_transport``: ``gloo``, ``nccl``, ``ipc``).
+        weight_format: the updates' wire format (``rollout.weight_dtype``: ``auto``, ``fp8``).
     """
 
     def __init__(
@@ -101,6 +106,8 @@ class RolloutPool:
         *,
         placement: GroupPlacement | None = None,
         name_prefix: str = "rollout",
+        weight_backend: str = "object_store",
+        weight_format: str = "auto",
     ):
         import ray
 
@@ -115,13 +122,22 @@ class RolloutPool:
         self.actors = [
             ray.remote(EngineWorker)
             .options(max_restarts=config.pool.max_restarts, max_task_retries=0, **options)
-            .remote(config.engine, self.model_path, dict(config.engine_args), name, placement.torch_threads)
-            for name, options in zip(self.engine_names, placement.ray_options)
+            .remote(config.engine, self.model_path, dict(config.engine_args), name, placement.torch_threads,
+                    weight_backend, placement.devices_of(i), weight_format)  # fmt: skip
+            for i, (name, options) in enumerate(zip(self.engine_names, placement.ray_options))
         ]
+        self.weight_backend = weight_backend
         self._dead: dict[int, str] = {}
         self._version = 0
         self._sleeping = False
         self._restore_refs: list[ray.ObjectRef] = []
+        self._restore_metas: list[TensorMeta] = []
+        self.restorer: Callable[[list[int]], None] | None = None
+        """Brings the given (restarted) engines to the pool's weight version; set by the
+        run's weight sync. Without one, the buckets of the last object-store sync are used."""
+        self.restarts = 0
+        """Engine restarts seen so far (a transfer group that included a restarted engine
+        must be rebuilt)."""
         self.last_stats: dict[str, float] = {}
         # Wait for every engine to load: a bad model path fails here, naming the engine.
         for i, actor in enumerate(self.actors):
@@ -210,7 +226,7 @@ class RolloutPool:
             progress_at[req.engine] = time.monotonic()
             try:
                 out = ray.get(ref)
-            except _actor_errors() as exc:
+            except actor_errors() as exc:
                 cause = f"timed out after {timeout}s" if req.timed_out else f"engine died ({exc})"
                 retries += 1
                 self._before_retry(req, cause, exc, num_prompts)
@@ -321,63 +337,101 @@ class RolloutPool:
                 + "; ".join(self._dead.values())
             ) from exc
 
-    def _recover(self, engine: int) -> None:
-        """Wait until a restarted engine answers, then restore the pool's weights and state."""
+    def _recover(self, engine: int, *, restore: bool = True) -> None:
+        """Wait until a restarted engine answers, then restore the pool's weights (unless
+        ``restore`` is false: a sync is about to bring every engine to a new version) and
+        its sleep state."""
         import ray
 
         name, actor = self.engine_names[engine], self.actors[engine]
-        deadline = time.monotonic() + self.config.pool.restart_timeout_s
-        health = None
-        died = 0
-        while time.monotonic() < deadline:
-            try:
-                health = ray.get(actor.health.remote(), timeout=max(1.0, deadline - time.monotonic()))
-                break
-            except ray.exceptions.ActorDiedError as exc:
-                # Unavailable = restarting; Died on a fresh call = out of restarts (checked a
-                # few times: the error of a call racing the restart can also read "died").
-                died += 1
-                if died >= 3:
-                    raise RolloutEngineError(f"{name} is dead and will not restart: {exc}") from exc
-                time.sleep(0.5)
-            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-                time.sleep(0.2)
-        if health is None:
-            raise RolloutEngineError(
-                f"{name} did not come back within restart_timeout_s={self.config.pool.restart_timeout_s}"
-            )
-        if health["weight_version"] != self._version:
-            if not self._restore_refs:
-                raise RolloutEngineError(
-                    f"{name} restarted with weight version {health['weight_version']} but the pool is at "
-                    f"version {self._version} and keeps no weights to restore (keep_weights_for_restart=False)"
-                )
+        health = wait_until_back(actor, name, timeout_s=self.config.pool.restart_timeout_s)
+        self.restarts += 1
         try:
-            if health["weight_version"] != self._version:
-                ray.get([actor.load_bucket.remote(ref, self._version) for ref in self._restore_refs])
+            if restore and health["weight_version"] != self._version:
+                self._restore([engine])
                 logger.info("%s: restored weight version %d after a restart", name, self._version)
             if self._sleeping:
                 ray.get(actor.sleep.remote())
-        except ray.exceptions.RayError as exc:
+        except (ray.exceptions.RayError, TransferFailedError) as exc:
             raise RolloutEngineError(f"{name} failed while restoring its state after a restart: {exc}") from exc
+
+    def _restore(self, engines: list[int]) -> None:
+        """Bring restarted ``engines`` to the pool's weight version."""
+        if self.restorer is not None:
+            self.restorer(engines)
+            return
+        if not self._restore_refs:
+            raise RolloutEngineError(
+                f"{', '.join(self.engine_names[e] for e in engines)} restarted with the initial weights but the pool "
+                f"is at version {self._version} and keeps no weights to restore (keep_weights_for_restart=False)"
+            )
+        self._load_refs(self._restore_refs, self._restore_metas, self._version, engines)
 
     # ------------------------------------------------------------------ weights
 
-    def sync(self, buckets: Iterable[WeightBucket | Any], *, version: int) -> dict[str, float]:
-        """Load a whole model's weights into every live engine; they then report ``version``.
+    def client(self, engines: Sequence[int] | None = None) -> EngineGroupClient:
+        """The weight-sync client of ``engines`` (default: every live engine) for a sender."""
+        import ray
+
+        targets = list(self.live_engines if engines is None else engines)
+        health = ray.get([self.actors[i].health.remote() for i in targets], timeout=self.config.pool.restart_timeout_s)
+        return EngineGroupClient(
+            actors=[self.actors[i] for i in targets], engines=targets, names=list(self.engine_names),
+            receivers=[int(h["weight_receivers"]) for h in health], timeout_s=self.config.pool.weight_sync_timeout_s,
+        )  # fmt: skip
+
+    def begin_update(self, version: int, metas: list[TensorMeta], *, engines: Sequence[int] | None = None) -> list[int]:
+        """Open the update to ``version`` (tensors ``metas``) on ``engines`` (default: every
+        live engine); returns them. Every engine checks ``metas`` first: a refusal raises
+        :class:`RolloutEngineError` naming the engine and the version, and every engine
+        keeps its weights."""
+        targets = list(self.live_engines if engines is None else engines)
+        refs = {i: self.actors[i].begin_weight_update.remote(int(version), metas) for i in targets}
+        try:
+            self._gather(refs, f"opening weight update to version {version}")
+        except RolloutEngineError:
+            self.abort_update(targets)
+            raise
+        return targets
+
+    def commit_update(self, version: int, engines: Sequence[int]) -> None:
+        """Close the open update on ``engines``; the pool's version becomes ``version``."""
+        refs = {i: self.actors[i].commit_weight_update.remote() for i in engines}
+        versions = self._gather(refs, f"committing weight version {version}")
+        if any(v != version for v in versions):
+            raise RolloutEngineError(f"engines committed versions {versions}, expected {version}")
+        self._version = int(version)
+
+    def abort_update(self, engines: Sequence[int]) -> None:
+        """Close a failed update on ``engines`` (best effort; dead engines are skipped)."""
+        import ray
+
+        refs = [self.actors[i].abort_weight_update.remote() for i in engines if i not in self._dead]
+        ray.wait(refs, num_returns=len(refs), timeout=self.config.pool.restart_timeout_s)
+
+    def _gather(self, refs: dict[int, Any], what: str) -> list[Any]:
+        try:
+            return gather_calls(refs, self.engine_names, what, timeout_s=self.config.pool.weight_sync_timeout_s)
+        except TransferFailedError as exc:
+            raise RolloutEngineError(str(exc)) from exc
+
+    def sync(
+        self, buckets: Iterable[WeightBucket | Any], *, version: int, metas: list[TensorMeta]
+    ) -> dict[str, float]:
+        """One version through the object store: every live engine loads ``buckets``.
 
         Args:
             buckets: the model's :class:`~megatron_rl.weight_buckets.WeightBucket` s, or
                 ObjectRefs of buckets a producer already put (the actor's rank 0 does);
                 consumed once, lazily, so a producer runs at most one bucket ahead of the
-                ``rollout.pool.max_inflight_buckets`` being loaded. Each sync must carry
-                the whole model: its buckets are what a restarted engine gets back.
-            version: the weight version the engines report afterwards (and tag
-                completions with).
+                ``rollout.pool.max_inflight_buckets`` being loaded.
+            version: the weight version the engines report afterwards.
+            metas: every tensor of the buckets, in order (checked by every engine first).
 
-        An engine that dies during the sync is restarted and reloaded at the end; an
-        engine that raises while loading makes the sync raise :class:`RolloutEngineError`
-        naming it (engines may then hold a mix of versions until the next full sync).
+        An engine that dies during the sync is restarted and brought to ``version`` at
+        the end. An engine that raises makes the sync raise :class:`RolloutEngineError`
+        naming it and the version; every engine's update is then aborted (engines that
+        had received tensors report ``ok: False`` until the next sync commits).
 
         Returns:
             ``weight_sync/seconds`` (wall time, producer included), ``weight_sync/put_seconds``
@@ -390,43 +444,41 @@ class RolloutPool:
         start = time.perf_counter()
         if version < self._version:
             logger.warning("weight sync to version %d is older than the pool's %d", version, self._version)
+        targets = self.begin_update(version, metas)
         # The previous sync's buckets are no longer what a restarted engine should get
         # (this sync's are, at the end); dropping them now keeps one model copy at most.
-        self._restore_refs = []
+        self._restore_refs, self._restore_metas = [], []
         failed: set[int] = set()
         put_seconds = 0.0
-        sizes: list[tuple[int, int]] = []  # per bucket: (tensors, bytes)
         refs: list[ray.ObjectRef] = []
-        inflight: list[tuple[int, list[tuple[int, ray.ObjectRef]]]] = []  # (bucket, [(engine, load ref)])
+        inflight: list[list[tuple[int, ray.ObjectRef]]] = []
         try:
             for bucket in buckets:
                 while len(inflight) >= self.config.pool.max_inflight_buckets:
-                    self._wait_loads(*inflight.pop(0), sizes, failed)
+                    self._wait_loads(inflight.pop(0), failed, version)
                 t0 = time.perf_counter()
-                if isinstance(bucket, WeightBucket):
-                    sizes.append((len(bucket.entries), bucket.num_bytes))
-                    ref = ray.put(bucket)
-                else:  # already in the object store; its size is known once an engine loaded it
-                    sizes.append((0, 0))
-                    ref = bucket
+                ref = ray.put(bucket) if isinstance(bucket, WeightBucket) else bucket
                 del bucket  # the object store holds the only copy from here on
                 put_seconds += time.perf_counter() - t0
-                targets = [i for i in self.live_engines if i not in failed]
-                inflight.append((len(refs), [(i, self.actors[i].load_bucket.remote(ref, version)) for i in targets]))
+                inflight.append([(i, self.actors[i].load_bucket.remote(ref)) for i in targets if i not in failed])
                 refs.append(ref)
-            for index, loads in inflight:
-                self._wait_loads(index, loads, sizes, failed)
+            for loads in inflight:
+                self._wait_loads(loads, failed, version)
         except BaseException:
-            logger.error("weight sync aborted; engines may hold partially updated weights until the next sync")
+            self.abort_update([i for i in targets if i not in failed])
             raise
-        self._finish_sync(version, refs, failed)
-        num_tensors, num_bytes = sum(t for t, _ in sizes), sum(b for _, b in sizes)
+        self.commit_update(version, [i for i in targets if i not in failed])
+        self._restore_refs, self._restore_metas = list(refs), list(metas)
+        self._recover_all(failed)
+        if not self.config.pool.keep_weights_for_restart:
+            self._restore_refs, self._restore_metas = [], []
+        num_bytes = sum(m.num_bytes for m in metas)
         seconds = time.perf_counter() - start
         stats = {
             "weight_sync/seconds": seconds,
             "weight_sync/put_seconds": put_seconds,
             "weight_sync/bytes": float(num_bytes),
-            "weight_sync/num_tensors": float(num_tensors),
+            "weight_sync/num_tensors": float(len(metas)),
             "weight_sync/num_buckets": float(len(refs)),
             "weight_sync/num_engines": float(self.num_engines),
             "weight_sync/gib_per_s": num_bytes / seconds / (1 << 30) if seconds > 0 else float("inf"),
@@ -438,42 +490,55 @@ class RolloutPool:
         )  # fmt: skip
         return stats
 
-    def _wait_loads(
-        self, index: int, loads: list[tuple[int, Any]], sizes: list[tuple[int, int]], failed: set[int]
-    ) -> None:
-        """Wait for the loads of bucket ``index``; an engine that died mid-sync is reloaded at the end."""
+    def _wait_loads(self, loads: list[tuple[int, Any]], failed: set[int], version: int) -> None:
+        """Wait for one bucket's loads; an engine that died is brought back at the end."""
         import ray
 
         for engine, ref in loads:
             try:
-                loaded = ray.get(ref)
-            except _actor_errors() as exc:
-                logger.warning(
-                    "%s died during a weight sync (%s); it is reloaded at the end", self.engine_names[engine], exc
-                )
+                ray.get(ref)
+            except actor_errors() as exc:
+                logger.warning("%s died during a weight sync (%s); it is restored at the end", self.engine_names[engine],
+                               exc)  # fmt: skip
                 failed.add(engine)
-                continue
             except ray.exceptions.RayTaskError as exc:
-                raise RolloutEngineError(f"{self.engine_names[engine]} failed to load weights: {exc}") from exc
-            if sizes[index] == (0, 0):
-                sizes[index] = (int(loaded["num_tensors"]), int(loaded["num_bytes"]))
+                raise RolloutEngineError(
+                    f"{self.engine_names[engine]} failed to load weight version {version}: {exc}"
+                ) from exc
 
-    def _finish_sync(self, version: int, refs: list[Any], failed: set[int]) -> None:
-        """Record the new version; reload engines that died during the sync."""
-        self._version = int(version)
-        self._restore_refs = list(refs)
-        for engine in sorted(failed):
+    def _load_refs(self, refs: list[Any], metas: list[TensorMeta], version: int, engines: list[int]) -> None:
+        """One version from buckets already in the object store into ``engines``."""
+        import ray
+
+        targets = self.begin_update(version, metas, engines=engines)
+        try:
+            ray.get([self.actors[i].load_bucket.remote(ref) for ref in refs for i in targets])
+        except BaseException:
+            self.abort_update(targets)
+            raise
+        self.commit_update(version, targets)
+
+    def _recover_all(self, engines: Iterable[int], *, restore: bool = True) -> None:
+        """Bring dead-then-restarted ``engines`` back (or give them up, naming why)."""
+        for engine in sorted(engines):
             try:
-                self._recover(engine)
+                self._recover(engine, restore=restore)
             except RolloutEngineError as exc:
                 self._dead[engine] = str(exc)
                 logger.error("%s", exc)
-        if not self.config.pool.keep_weights_for_restart:
-            self._restore_refs = []
         if not self.live_engines:
-            raise RolloutEngineError(
-                "every rollout engine died during the weight sync: " + "; ".join(self._dead.values())
-            )
+            raise RolloutEngineError("every rollout engine is dead: " + "; ".join(self._dead.values()))
+
+    def restart(self, engines: Iterable[int], *, restore: bool = True) -> None:
+        """Kill ``engines`` (Ray restarts them with the initial weights) and wait for them;
+        ``restore``: bring them to the pool's weight version (otherwise they hold version 0
+        until the next sync). How an engine left with mixed weights is repaired."""
+        import ray
+
+        engines = [e for e in engines if e not in self._dead]
+        for engine in engines:
+            ray.kill(self.actors[engine], no_restart=False)
+        self._recover_all(engines, restore=restore)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -529,9 +594,15 @@ class RolloutPool:
         self.shutdown()
 
     def shutdown(self) -> None:
-        """Kill every engine actor (no restart) and drop the kept weight buckets."""
+        """Shut every engine down (vLLM stops its engine-core processes), then kill the
+        actors (no restart) and drop the kept weight buckets."""
         import ray
 
+        try:  # a dead or stuck engine must not keep the others alive
+            ray.wait([self.actors[i].shutdown.remote() for i in self.live_engines], num_returns=len(self.live_engines),
+                     timeout=30)  # fmt: skip
+        except Exception:
+            pass
         for actor in self.actors:
             try:
                 ray.kill(actor, no_restart=True)

@@ -51,11 +51,18 @@ The Knights-and-Knaves reward of Logic-RL (format + answer), exactly as its code
 Follows ``verl/utils/reward_score/kk.py`` of Logic-RL as used by the AR/Lopti runs
 (``docs/data_and_rewards.md`` walks through it):
 
+- The checked text is the assistant turn, found as Logic-RL finds it: in prompt +
+  response, everything after the first ``Assistant:`` header, else after the first
+  ``<|im_start|>assistant`` (Logic-RL looks for ``Assistant:`` first, so one in the
+  response wins over a chat-template header in the prompt). A pre-fill (``<think>`` for
+  the K&K prompt, or any longer text) is thus part of the checked text wherever it sits.
+  When the prompt has no assistant header at all (a bare question, ``prompt_template:
+  none``), the checked text is the response, preceded by ``<think>`` when the prompt
+  ends with it (:func:`score_kk`).
 - Format: +1 when ``<think>``, ``</think>``, ``<answer>``, ``</answer>`` each occur exactly
-  once, in that order, in the assistant turn; else -1. The assistant turn is the
-  pre-filled text of the prompt (``<think>`` for the K&K prompt) plus the response, so a
-  pre-filled ``<think>`` counts and a second one in the response breaks the format.
-  Tags are matched case-sensitively (``<Think>`` is not a tag).
+  once, in that order, in the checked text; else -1. So a pre-filled ``<think>`` counts
+  and a second one in the response breaks the format. Tags are matched
+  case-sensitively (``<Think>`` is not a tag).
 - Answer, scored only when the format is right and the text between the answer tags is
   non-empty after stripping: +2 when every role is right, -1.5 when any is wrong, -2 when
   unparseable. Otherwise (format wrong, or empty answer) the answer part is -2.
@@ -414,8 +421,12 @@ def score_kk(response: str, ground_truth: Any, *, think_prefilled: bool) -> Rewa
         think_prefilled: whether the prompt ended with a pre-filled ``<think>``; it then
             counts as the response's opening tag.
     """
+    return score_assistant_turn((THINK_OPEN if think_prefilled else "") + response, ground_truth)
+
+
+def score_assistant_turn(assistant_text: str, ground_truth: Any) -> RewardResult:
+    """Score the checked text of a K&K answer (the assistant turn, pre-fill included)."""
     solution = expected_roles(ground_truth)
-    assistant_text = (THINK_OPEN if think_prefilled else "") + response
     if not format_ok(assistant_text):
         return RewardResult(
             score=FORMAT_BAD + ANSWER_UNPARSEABLE, parse_failed=True, extras={"format_ok": False, "answer": "skipped"}
@@ -439,10 +450,33 @@ def prompt_prefills_think(prompt: str) -> bool:
     return prompt.rstrip().endswith(THINK_OPEN)
 
 
+ASSISTANT_HEADERS = ("Assistant:", "<|im_start|>assistant")
+"""The assistant-turn headers Logic-RL splits on, in the order it tries them."""
+
+
+def assistant_turn(prompt: str, response: str) -> str | None:
+    """The text Logic-RL checks: prompt + response after the first assistant header.
+
+    Headers are tried in :data:`ASSISTANT_HEADERS` order over the whole text, as
+    Logic-RL's ``extract_solution`` does. ``None`` when the prompt holds no header (the
+    caller then scores the response alone, see :func:`score_kk`).
+    """
+    if not any(header in prompt for header in ASSISTANT_HEADERS):
+        return None
+    text = prompt + response
+    header = next(h for h in ASSISTANT_HEADERS if h in text)
+    return text.split(header, 1)[1]
+
+
 @register_reward("kk_logic", failure_score=MIN_SCORE, success_score=MAX_SCORE)
 def kk_logic(response: str, ground_truth: Any, *, prompt: str = "") -> RewardResult:
-    """Logic-RL's K&K reward (totals 3 / -0.5 / -1 / -3); ``prompt`` tells whether ``<think>`` was pre-filled."""
-    return score_kk(response, ground_truth, think_prefilled=prompt_prefills_think(prompt))
+    """Logic-RL's K&K reward (totals 3 / -0.5 / -1 / -3) of the assistant turn of
+    ``prompt`` + ``response`` (module docstring); a prompt without an assistant header
+    scores the response alone, with ``<think>`` when the prompt ends with it."""
+    turn = assistant_turn(prompt, response)
+    if turn is None:
+        return score_kk(response, ground_truth, think_prefilled=prompt_prefills_think(prompt))
+    return score_assistant_turn(turn, ground_truth)
 
 
 # --------------------------------------------------------------------------- task

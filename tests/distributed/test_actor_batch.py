@@ -105,3 +105,30 @@ def test_actor_spec_from_run_config():
     assert cfg.parallel is run.parallel and cfg.trainer is run.trainer and cfg.model is run.model
     with pytest.raises(ValueError, match="fp8"):
         ModelOptions(fp8="e4m3", use_te=False)
+
+
+def test_fp8_recompute_and_sequence_parallel_reach_the_transformer_config():
+    from megatron_rl.actor.model import resolve_use_te, transformer_config_kwargs
+    from megatron_rl.config import ActorConfig, ParallelConfig
+    from megatron_rl.configlib import ConfigError
+
+    hf = {"model_type": "qwen2", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+          "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 100}  # fmt: skip
+    options = ModelOptions(dtype="bfloat16", fp8="hybrid", fp8_recipe="delayed", fp8_margin=1, fp8_amax_history_len=16)
+    kwargs = transformer_config_kwargs(
+        hf, parallel=ParallelConfig(num_actor_ranks=2, tensor_model_parallel_size=2, sequence_parallel=True),
+        options=options, actor=ActorConfig(recompute_granularity="full", recompute_num_layers=2), use_te=True,
+    )  # fmt: skip
+    assert (kwargs["fp8"], kwargs["fp8_recipe"], kwargs["fp8_margin"], kwargs["fp8_amax_history_len"]) == (
+        "hybrid", "delayed", 1, 16,
+    )  # fmt: skip
+    assert kwargs["sequence_parallel"] is True and kwargs["tensor_model_parallel_size"] == 2
+    assert (kwargs["recompute_granularity"], kwargs["recompute_method"], kwargs["recompute_num_layers"]) == (
+        "full", "uniform", 2,
+    )  # fmt: skip
+    # Without Transformer Engine, FP8 or use_te is a config error naming the field.
+    with pytest.raises(ConfigError, match="model.fp8"):
+        resolve_use_te(options, available=False)
+    with pytest.raises(ConfigError, match="model.use_te"):
+        resolve_use_te(ModelOptions(use_te=True), available=False)
+    assert resolve_use_te(options, available=True) is True

@@ -70,7 +70,7 @@ def test_sync_from_tp2_actor_gives_the_engine_the_actor_weights(tmp_path, ray_se
         assert before["rollout/logp_mismatch/max_abs"] > 1e-2  # different weights before the sync
 
         # The trainer's own path: rank 0 streams buckets, the pool loads them (bounded in flight).
-        stats = pool.sync(actors.weight_buckets(1 << 14), version=1)  # small buckets: several of them
+        stats = pool.sync(actors.weight_buckets(1 << 14), version=1, metas=actors.weight_metadata())  # several buckets
         assert stats["weight_sync/num_buckets"] > 1
 
         synced, after = engine_vs_actor()

@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import subprocess
@@ -354,3 +355,44 @@ def test_mcore_config_mismatch(hf_dirs, mcore_dirs, tmp_path):
 def test_cli_reports_errors(tmp_path, capsys):
     assert convert.main(["hf-to-mcore", "--hf", str(tmp_path), "--out", str(tmp_path / "out")]) == 1
     assert "config.json" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- full disks, missing tokenizers
+
+
+def _no_space(*args, **kwargs):
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def test_a_full_disk_while_writing_is_a_clear_error_without_output(hf_dirs, mcore_dirs, tmp_path, monkeypatch):
+    from megatron_rl.models.hf_io import SafetensorsReader, SafetensorsShardWriter
+
+    # hf-to-mcore: the write fails inside torch DCP, which wraps the OSError.
+    monkeypatch.setattr(SafetensorsReader, "read", _no_space)
+    message = _convert_error(hf_dirs["llama"], tmp_path / "a")
+    assert message.startswith(f"no space left on the device while writing {tmp_path / 'a'}") and "removed" in message
+    # mcore-to-hf: the safetensors writer fails directly.
+    monkeypatch.setattr(SafetensorsShardWriter, "write", _no_space)
+    with pytest.raises(ConversionError, match="no space left on the device"):
+        mcore_to_hf(McoreToHfOptions(mcore_dir=mcore_dirs["llama", 1, 1], out_dir=tmp_path / "b"))
+    _assert_no_output(tmp_path / "b")
+
+
+def test_too_little_free_space_is_refused_before_writing(hf_dirs, tmp_path, monkeypatch, capsys):
+    import shutil
+
+    from megatron_rl.models import convert as convert_lib
+
+    monkeypatch.setattr(convert_lib.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**12, 10**12, 1000))
+    assert convert.main(["hf-to-mcore", "--hf", str(hf_dirs["llama"]), "--out", str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err
+    assert "error: not enough space for" in err and "has 1 KiB free" in err and "Traceback" not in err
+    _assert_no_output(tmp_path / "out")
+
+
+def test_a_model_without_tokenizer_files_converts_with_a_warning(hf_dirs, tmp_path, capsys):
+    assert convert.main(["hf-to-mcore", "--hf", str(hf_dirs["llama"]), "--out", str(tmp_path / "a")]) == 0
+    err = capsys.readouterr().err
+    assert f"warning: {hf_dirs['llama']} has no tokenizer files" in err and "model.tokenizer" in err
+    assert convert.main(["hf-to-mcore", "--hf", str(hf_dirs["qwen2_gqa"]), "--out", str(tmp_path / "b")]) == 0
+    assert "warning" not in capsys.readouterr().err  # this one has its tokenizer

@@ -17,6 +17,7 @@ from megatron_rl.placement import GroupPlacement  # noqa: E402
 from megatron_rl.rollout import RolloutEngineError, RolloutPool, SamplingParams  # noqa: E402
 from megatron_rl.rollout.hf_engine import HFEngine  # noqa: E402
 from megatron_rl.weight_buckets import MIB, make_buckets  # noqa: E402
+from megatron_rl.weight_transfer.meta import TensorMeta  # noqa: E402
 from tests.helpers.rollout_models import build_qwen2, hf_state, reference_logprobs, save_qwen2  # noqa: E402
 
 PROMPTS = [[1, 2, 3], [5] * 9, [7, 8], list(range(20, 37)), [3], [9, 9, 1, 4]]
@@ -96,7 +97,8 @@ def test_least_outstanding_work_dispatch(pool):
 
 def test_weight_sync_equals_a_fresh_engine(pool, ckpts):
     state = hf_state(ckpts[1])
-    stats = pool.sync(make_buckets(state.items(), int(0.05 * MIB)), version=1)  # 50 KiB: many buckets
+    metas = [TensorMeta.of(name, tensor) for name, tensor in state.items()]
+    stats = pool.sync(make_buckets(state.items(), int(0.05 * MIB)), version=1, metas=metas)  # 50 KiB: many buckets
     assert stats["weight_sync/bytes"] == sum(t.numel() * t.element_size() for t in state.values())
     assert stats["weight_sync/num_tensors"] == len(state)
     assert stats["weight_sync/num_buckets"] > 3

@@ -1,5 +1,11 @@
 """The embedded CPU demo visibly learns: on 3 seeds, the mean reward of the last steps
-exceeds that of the first steps by far more than the step-to-step noise."""
+exceeds that of the first steps by far more than the step-to-step noise.
+
+A reduced budget (200 of the demo's 800 steps, about a minute per seed): the reward then
+has risen from ~0.10 to ~0.25 (measured on 2026-11-23: rises of 0.17, 0.14 and 0.16 for
+seeds 1-3, 20-25 standard errors) and the entropy is still above 2 nats. The full
+run's numbers (eval accuracy >= 0.9 by step 450-550 and 1.0 at step 800 in every seed,
+the entropy on the way) are in docs/trainer.md."""
 
 import statistics
 
@@ -9,7 +15,7 @@ from megatron_rl.observability import read_metrics
 from megatron_rl.trainer import Trainer
 from tests.e2e.conftest import tiny_config
 
-NUM_STEPS, WINDOW = 250, 25
+NUM_STEPS, WINDOW = 200, 25
 
 
 @pytest.mark.parametrize("seed", [1, 2, 3])
@@ -23,10 +29,17 @@ def test_tiny_demo_reward_rises_beyond_noise(seed, tmp_path, ray_session):
         trainer.run()
     finally:
         trainer.close()
-    rewards = [r["rollout/reward/mean"] for r in read_metrics(cfg.run_dir)]
+    records = read_metrics(cfg.run_dir)
+    rewards = [r["rollout/reward/mean"] for r in records]
     assert len(rewards) == NUM_STEPS
     first, last = rewards[:WINDOW], rewards[-WINDOW:]
     rise = statistics.mean(last) - statistics.mean(first)
     # standard error of the difference of two window means
     noise = (statistics.variance(first) / WINDOW + statistics.variance(last) / WINDOW) ** 0.5
     assert rise > max(0.1, 5 * noise), f"seed {seed}: rise {rise:.3f}, noise {noise:.3f}, rewards {rewards[::25]}"
+    # ... while the policy stays exploratory: the entropy is logged every step and, with the
+    # demo's settings, is still ~2.0-2.3 nats at step 200 (the earlier lr 1e-3 settings,
+    # which ended collapsed, were at 1.4 with 8 samples and 0.8 with 16 by then).
+    entropy = [r["loss/entropy"] for r in records]
+    assert all(e is not None and e > 0 for e in entropy)
+    assert statistics.mean(entropy[-WINDOW:]) > 1.6, f"seed {seed}: entropy {entropy[::25]}"

@@ -89,6 +89,8 @@ def test_consecutive_nonfinite_steps_stop_with_last_good_checkpoint(tmp_path, ra
     ckpts = cfg.run_dir / "checkpoints"
     assert (ckpts / "latest").read_text().strip() == "step_000001"
     assert sorted(p.name for p in ckpts.iterdir() if p.is_dir()) == ["step_000001"]
+    records = read_metrics(cfg.run_dir)  # the step that stopped the run is logged too
+    assert [r["step"] for r in records] == [1, 2, 3] and records[-1]["actor/step_skipped"] == 1.0
 
 
 def test_bad_data_row_is_named_and_nothing_is_written(tmp_path):
@@ -122,7 +124,7 @@ def _train_cli(out_dir, *extra):
                             start_new_session=True)  # fmt: skip
 
 
-COMPARED = ("rollout/reward/mean", "loss/total", "actor/grad_norm", "loss/approx_kl", "tokens/prob_q1/grad_share")
+COMPARED = ("rollout/reward/mean", "loss/total", "actor/grad_norm", "loss/approx_kl", "tokens/quartile_q1/grad_share")
 
 
 def test_kill9_then_resume_matches_an_uninterrupted_run(tmp_path):

@@ -12,16 +12,17 @@ from pathlib import Path
 from typing import Any
 
 from megatron_rl.rollout.hf_engine import HFEngine
+from megatron_rl.rollout.vllm_engine import VLLMEngine  # imports vllm only when constructed
 
 
-class FaultOnceEngine(HFEngine):
+class FaultOnce:
     """Fails once, on the first ``generate`` after ``arm_file`` appears: a crash or a hang.
 
     The file's content picks the fault: ``exit`` ends the process (``os._exit``), ``hang``
     blocks forever (a stuck kernel, as far as the pool can tell). Every engine of a pool
     shares the file, so exactly one engine fails per arming: the one that renames it first
     (``os.rename`` is atomic). Ray then restarts the actor, whose constructor finds no
-    ``arm_file`` and serves normally.
+    ``arm_file`` and serves normally. Mixed into a real engine class (below).
     """
 
     def __init__(self, model_path: str, *, name: str = "fault-once", arm_file: str, **engine_args: Any):
@@ -39,8 +40,33 @@ class FaultOnceEngine(HFEngine):
         os._exit(1)
 
 
+class FaultOnceEngine(FaultOnce, HFEngine):
+    """The built-in engine, failing once when armed (:class:`FaultOnce`)."""
+
+
+class FaultOnceVLLMEngine(FaultOnce, VLLMEngine):
+    """The vLLM engine, failing once when armed (:class:`FaultOnce`): ``os._exit`` leaves
+    vLLM's engine-core process to notice its parent's death by itself."""
+
+
 class AlwaysCrashEngine(HFEngine):
     """Exits its process on every ``generate``: a request to it fails even after a restart."""
 
     def generate(self, prompts, params, *, prompt_seeds=None):
+        os._exit(1)
+
+
+class FaultOnSyncEngine(HFEngine):
+    """Exits its process while loading a weight update, once, when ``arm_file`` exists
+    (renamed away first, so exactly one engine fails): an engine dying mid-sync."""
+
+    def __init__(self, model_path: str, *, name: str = "fault-on-sync", arm_file: str, **engine_args: Any):
+        super().__init__(model_path, name=name, **engine_args)
+        self.arm_file = Path(arm_file)
+
+    def _load_host(self, named_tensors):
+        try:
+            os.rename(self.arm_file, f"{self.arm_file}.fired-by-{self.name}")
+        except FileNotFoundError:
+            return super()._load_host(named_tensors)
         os._exit(1)

@@ -40,6 +40,21 @@ BENCH_CONFIG = dict(
 )
 
 
+# vLLM's CPU attention kernels need head_dim >= 32 (TEST_CONFIG's 16 is refused): 256 / 4 = 64.
+# Weight scale 0.15: logits of a few units, peaked enough that samples differ by seed.
+VLLM_MODEL = dict(hidden_size=256, intermediate_size=512, scale=0.15)
+
+
+def vllm_engine_args() -> dict:
+    """``VLLMEngine`` arguments of the vLLM tests: float32 weights and compute (so a
+    float32 ``transformers`` forward is a reference for the engine's arithmetic), a small
+    KV cache on CPU, a small memory share on a GPU."""
+    args = dict(dtype="float32", max_model_len=256, enforce_eager=True)
+    if torch.cuda.is_available():
+        return {**args, "gpu_memory_utilization": 0.2}
+    return {**args, "kv_cache_memory_bytes": 64 << 20}
+
+
 def build_qwen2(seed: int, *, scale: float = 0.3, **overrides):
     """A float32 ``Qwen2ForCausalLM`` with random weights (``scale`` sets the logit spread).
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import json
 import os
 import subprocess
 import sys
@@ -21,10 +22,17 @@ from megatron_rl.configlib import to_dict
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = str(REPO / "examples" / "tiny_cpu.yaml")
+TOY = REPO / "examples" / "data" / "toy"
+# The dry run checks every path (tokenizer, data), so they must not depend on the working directory.
+TOY_PATHS = [
+    f"model.tokenizer={TOY / 'tokenizer'}",
+    f"data.train_files=[{TOY / 'train.jsonl'}]",
+    f"data.eval_files=[{TOY / 'test.jsonl'}]",
+]
 
 
 def _dry_run_args(tmp_path: Path, *overrides: str) -> list[str]:
-    return ["train", EXAMPLE, f"trainer.output_dir={tmp_path}", *overrides, "--dry-run"]
+    return ["train", EXAMPLE, f"trainer.output_dir={tmp_path}", *TOY_PATHS, *overrides, "--dry-run"]
 
 
 def _run_module(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
@@ -41,7 +49,7 @@ def test_dry_run_prints_and_saves_resolved_config(tmp_path, capsys, monkeypatch)
     monkeypatch.chdir(tmp_path)
     assert cli.main(_dry_run_args(tmp_path, "trainer.lr=3e-4")) == 0
     out, err = capsys.readouterr()
-    expected = load_run_config(EXAMPLE, [f"trainer.output_dir={tmp_path}", "trainer.lr=3e-4"])
+    expected = load_run_config(EXAMPLE, [f"trainer.output_dir={tmp_path}", *TOY_PATHS, "trainer.lr=3e-4"])
     assert yaml.safe_load(out) == to_dict(expected)  # stdout is plain YAML when not a terminal
     saved = tmp_path / "tiny_cpu" / "config.yaml"
     assert load_run_config(saved) == expected
@@ -228,6 +236,12 @@ def test_unknown_tiny_model_type_lists_registered(tmp_path, capsys):
     assert "llama, qwen2, qwen3" in err and not (tmp_path / "tiny_cpu").exists()
 
 
+QWEN2_CONFIG = {
+    "model_type": "qwen2", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 32, "max_position_embeddings": 64,
+}  # fmt: skip
+
+
 def _hf_args(tmp_path: Path, hf_config: Path) -> list[str]:
     return _dry_run_args(tmp_path, "model.tiny=null", f"model.hf_config={hf_config}")
 
@@ -236,7 +250,7 @@ def _hf_args(tmp_path: Path, hf_config: Path) -> list[str]:
 def test_hf_config_model_type_is_checked(tmp_path, capsys, as_file):
     model = tmp_path / "model"
     model.mkdir()
-    (model / "config.json").write_text('{"model_type": "qwen2"}')
+    (model / "config.json").write_text(json.dumps(QWEN2_CONFIG))  # the dry run reads the architecture
     source = model / "config.json" if as_file else model
     assert cli.main(_hf_args(tmp_path, source)) == 0
     (model / "config.json").write_text('{"model_type": "mistral"}')

@@ -15,6 +15,7 @@ import pytest
 import yaml
 
 from megatron_rl.configlib import (
+    ALLOW_NONFINITE,
     ConfigError,
     ConfigRenameWarning,
     ConfigWarning,
@@ -461,3 +462,86 @@ def test_registry_registers_once_and_lists_names_on_a_miss():
         reg.get("c")
     assert str(info.value) == "unknown thing 'c'; registered: a, b (or write module:attr)"
     assert isinstance(info.value, KeyError)
+
+
+# --------------------------------------------------------------------------- finite values and size limits
+
+
+@dataclass(kw_only=True)
+class Floats:
+    """Float fields with and without a stated range."""
+
+    scale: float = 1.0
+    """No range of its own: only the loader's finiteness check applies."""
+
+    bounded: float | None = None
+    """A range, and null allowed."""
+
+    horizon: float = field(default=float("inf"), metadata=ALLOW_NONFINITE)
+    """Infinity means "no horizon"."""
+
+    def __post_init__(self) -> None:
+        require_range("bounded", self.bounded, gt=0.0)
+        require_range("horizon", self.horizon, gt=0.0, allow_nonfinite=True)
+
+
+@pytest.mark.parametrize(
+    "text", [".inf", "-.inf", ".nan", "1e400", str(10**400)], ids=["inf", "-inf", "nan", "1e400", "10**400"]
+)
+@pytest.mark.parametrize("key", ["scale", "bounded"])
+def test_non_finite_floats_are_refused_naming_the_field(key, text):
+    with pytest.raises(ConfigError, match="must be a finite number") as info:
+        from_dict(Floats, parse_yaml(f"{key}: {text}"))
+    assert info.value.path == key
+
+
+def test_a_field_may_allow_non_finite_values():
+    assert from_dict(Floats, {"horizon": float("inf")}).horizon == float("inf")
+
+
+def test_require_range_refuses_non_finite_values_of_configs_built_in_python():
+    with pytest.raises(ConfigError, match="'bounded': got inf; must be a finite number"):
+        Floats(bounded=float("inf"))
+    with pytest.raises(ConfigError, match="must be a finite number"):
+        require_range("x", float("nan"))
+    require_range("x", float("inf"), allow_nonfinite=True)
+
+
+def _alias_bomb(levels: int) -> str:
+    lines = ["a0: &a0 [x, x, x, x, x, x, x, x, x, x]"]
+    for i in range(1, levels):
+        lines.append(f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 10) + "]")
+    return "\n".join(lines) + "\n"
+
+
+def test_an_alias_bomb_is_refused_before_it_expands():
+    text = _alias_bomb(9)  # 1e9 values from ~600 bytes
+    assert len(text) < 1000
+    with pytest.raises(ConfigError, match="expands to more than 100000 values"):
+        parse_yaml(text, "bomb.yaml")
+    assert parse_yaml(_alias_bomb(3), "ok.yaml")["a2"][0][0] == ["x"] * 10  # shared anchors stay legal
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [("a: &a [*a]", "recursive YAML alias"), ("[" * 3000 + "]" * 3000, "nested too deeply")],
+    ids=["recursive", "deep"],
+)
+def test_recursive_and_deeply_nested_yaml_are_refused(text, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_yaml(text, "x.yaml")
+
+
+def test_config_files_must_be_small_regular_utf8_files(tmp_path):
+    with pytest.raises(ConfigError, match="is not a regular file"):
+        load_config(Floats, "/dev/zero")
+    big = tmp_path / "big.yaml"
+    big.write_text("scale: 1.0\n" + "#" * (2 << 20))
+    with pytest.raises(ConfigError, match="larger than"):
+        load_config(Floats, big)
+    latin = tmp_path / "latin.yaml"
+    latin.write_bytes(b"scale: 1.0\n# caf\xe9\n")
+    with pytest.raises(ConfigError, match="line 2: not UTF-8"):
+        load_config(Floats, latin)
+    with pytest.raises(ConfigError, match="expands to more than"):
+        parse_override_value("[" + ", ".join(["&a [1, 1, 1, 1, 1, 1, 1, 1, 1, 1]"] + ["*a"] * 20000) + "]")

@@ -66,10 +66,15 @@ def test_custom_key_is_named_in_the_error(tmp_path):
         load_rows(path, prompt_key="question", ground_truth_key="solution")
 
 
-@pytest.mark.parametrize("name, message", [("missing.jsonl", "no such file"), ("data.csv", "unsupported file type")])
+@pytest.mark.parametrize(
+    "name, message",
+    [("missing.jsonl", "no such file"), ("data.csv", "unsupported file type"), ("dir.jsonl", "not a regular file")],
+)
 def test_file_errors(tmp_path, name, message):
     if name.endswith(".csv"):
         (tmp_path / name).write_text("a,b\n")
+    if name.startswith("dir"):
+        (tmp_path / name).mkdir()
     with pytest.raises(DataError, match=message) as err:
         load_rows(tmp_path / name)
     assert err.value.file == str(tmp_path / name) and err.value.row is None
@@ -91,3 +96,41 @@ def test_parquet_round_trip_and_bad_row(tmp_path):
     (tmp_path / "junk.parquet").write_text("not parquet")
     with pytest.raises(DataError, match="cannot read parquet"):
         load_rows(tmp_path / "junk.parquet")
+
+
+# --------------------------------------------------------------------------- reliability
+
+
+def test_bytes_that_are_not_utf8_name_file_and_row(tmp_path):
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes(json.dumps(GOOD).encode() + b"\n" + b'{"prompt": "caf\xe9", "ground_truth": "A"}\n')
+    with pytest.raises(DataError) as err:
+        load_rows(path)
+    assert (err.value.file, err.value.row) == (str(path), 2) and "not valid UTF-8: byte 0xe9" in str(err.value)
+
+
+def test_a_utf8_byte_order_mark_is_accepted(tmp_path):
+    path = tmp_path / "bom.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + json.dumps(GOOD).encode() + b"\n")
+    assert load_rows(path)[0].prompt == "Who?"
+
+
+@pytest.mark.parametrize("content", ["", "\n  \n"], ids=["empty", "blank_lines"])
+def test_a_file_without_rows_is_an_error_naming_it(tmp_path, content):
+    good = write_jsonl(tmp_path / "good.jsonl", [GOOD])
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text(content)
+    with pytest.raises(DataError, match="the file holds no rows") as err:
+        load_rows([good, empty])
+    assert err.value.file == str(empty)
+
+
+def test_duplicate_ids_are_found_within_and_across_row_lists(tmp_path):
+    from megatron_rl.data import duplicate_ids
+
+    train = load_rows(write_jsonl(tmp_path / "t.jsonl", [GOOD, {**GOOD, "id": "b"}, GOOD, {**GOOD, "id": 1}]))
+    assert [(a.row, b.row) for a, b in duplicate_ids(train)] == [(1, 3)]
+    evals = load_rows(write_jsonl(tmp_path / "e.jsonl", [{**GOOD, "id": "b"}, {**GOOD, "id": "1"}]))
+    assert [(a.file, a.row, b.row) for a, b in duplicate_ids(evals, earlier=train)] == [
+        (str(tmp_path / "t.jsonl"), 2, 1)
+    ]

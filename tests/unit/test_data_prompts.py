@@ -111,3 +111,14 @@ def test_encoder_decode_skips_special_tokens():
     tokenizer = build_toy_tokenizer()
     ids = tokenizer.encode("3 1 4 <eos> <pad>", add_special_tokens=False)
     assert _encoder(tokenizer).decode(tuple(ids)) == "3 1 4"
+
+
+def test_check_tokenises_every_row_and_names_the_first_bad_one():
+    rows = [_row("copy 1 2 =", row=1), _row("copy 1 2 3 4 5 6 =", row=2), _row("copy 9 9 9 9 9 9 =", row=7)]
+    encoder = _encoder(build_toy_tokenizer(), max_prompt_tokens=6)
+    with pytest.raises(DataError) as err:
+        encoder.check(rows)
+    assert err.value.row == 2 and "more than rollout.max_prompt_tokens=6" in str(err.value)
+    assert "1 more bad prompt(s)" in str(err.value) and "row 7" in str(err.value)
+    encoder.check(rows[:1])  # a good row passes
+    assert encoder._tokenize(["copy 1 2 ="]) == encoder.encode(rows[:1])[1]  # the batched ids are encode's

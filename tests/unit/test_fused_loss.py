@@ -96,7 +96,9 @@ def test_vocab_padding_columns_are_excluded():
 
 def test_forward_only_logprobs_and_entropy():
     logits, targets, mask, *_ = make_inputs(seed=8, dtype=torch.bfloat16)
-    lp, h = vocab_parallel_logprobs(logits, targets, mask=mask, options=VocabParallelOptions(temperature=0.7, chunk_tokens=3))
+    lp, h = vocab_parallel_logprobs(
+        logits, targets, mask=mask, options=VocabParallelOptions(temperature=0.7, chunk_tokens=3)
+    )
     want_lp, want_h = naive_logp_entropy(logits, targets, 0.7)
     assert lp.dtype == torch.float32 and lp.shape == targets.shape
     torch.testing.assert_close(lp[mask].double(), want_lp[mask], atol=1e-5, rtol=1e-5)
@@ -189,8 +191,33 @@ def test_token_grad_norms_equal_rowwise_norm_of_the_loss_sum_gradient(name):
     logits, targets, mask, old, ref, adv = make_inputs(seed=13, dtype=torch.float64)
     x = logits.clone().requires_grad_()
     inputs = LossInputs(targets=targets, old_logp=old, advantages=adv, mask=mask, ref_logp=ref, phase=phase)
-    out, stats = fused_policy_loss(x, inputs, cfg, VocabParallelOptions(temperature=0.8, chunk_tokens=4, token_grad_norms=True))
+    out, stats = fused_policy_loss(
+        x, inputs, cfg, VocabParallelOptions(temperature=0.8, chunk_tokens=4, token_grad_norms=True)
+    )
     out.loss_sum.backward()  # unscaled: the norms are of the loss SUM's gradient
     want = x.grad.reshape(-1, x.shape[-1]).norm(dim=-1)
     torch.testing.assert_close(stats.logit_grad_norm, want, atol=1e-12, rtol=1e-10)
     assert stats.logit_grad_norm[mask.reshape(-1)].min() >= 0 and (stats.logit_grad_norm[~mask.reshape(-1)] == 0).all()
+
+
+def test_fused_linear_bf16_runs_its_matmuls_in_bf16_and_accumulates_in_float32():
+    """bf16 hidden states and weight (as on GPUs): the loss and gradients equal the float64
+    math on the same bf16 values within bf16 rounding, and a main_grad stays float32."""
+    cfg = LOSS_CASES["grpo_kl_k3_entropy"]
+    _, targets, mask, old, ref, adv = make_inputs(seed=14)
+    g = torch.Generator().manual_seed(2)
+    hidden = torch.randn(3, 7, 16, generator=g).to(torch.bfloat16)
+    weight = (0.5 * torch.randn(37, 16, generator=g)).to(torch.bfloat16)
+    inputs = LossInputs(targets=targets, old_logp=old, advantages=adv, mask=mask, ref_logp=ref)
+    h64, w64 = hidden.double().requires_grad_(), weight.double().requires_grad_()
+    want, _ = fused_policy_loss(h64 @ w64.t(), inputs, cfg, VocabParallelOptions(chunk_tokens=4))
+    want.loss_sum.backward()
+    h = hidden.clone().requires_grad_()
+    main_grad = torch.zeros(weight.shape, dtype=torch.float32)
+    out, _ = fused_linear_policy_loss(h, weight.clone(), inputs, cfg, VocabParallelOptions(chunk_tokens=4),
+                                      weight_main_grad=main_grad)  # fmt: skip
+    out.loss_sum.backward()
+    assert h.grad.dtype == torch.bfloat16 and main_grad.dtype == torch.float32
+    assert float(out.loss_sum.detach()) == pytest.approx(float(want.loss_sum.detach()), rel=2e-2, abs=2e-2)
+    torch.testing.assert_close(h.grad.double(), h64.grad, atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(main_grad.double(), w64.grad, atol=3e-2, rtol=3e-2)

@@ -6,7 +6,16 @@ import pytest
 
 from megatron_rl.data.prompts import render_prompt
 from megatron_rl.tasks import get_reward
-from megatron_rl.tasks.kk import KK_STYLE, MAX_SCORE, MIN_SCORE, expected_roles, kk_logic, score_kk
+from megatron_rl.tasks.kk import (
+    KK_STYLE,
+    MAX_SCORE,
+    MIN_SCORE,
+    assistant_turn,
+    expected_roles,
+    kk_logic,
+    score_assistant_turn,
+    score_kk,
+)
 
 GT = {
     "solution": [
@@ -99,3 +108,70 @@ def test_registered_function_reads_prefill_from_the_prompt():
     # the same response after a prompt without the pre-fill lacks its <think>
     assert kk_logic(_resp(RIGHT), GT, prompt="Who is who?").score == -3.0
     assert kk_logic("<think>x" + _resp(RIGHT), GT, prompt="Who is who?").score == 3.0
+
+
+# --------------------------------------------------------------------------- the checked text
+# Logic-RL's `extract_solution` (verl/utils/reward_score/kk.py), restated as the
+# independent reference: it decodes prompt + response and keeps what follows the first
+# "Assistant:", else the first "<|im_start|>assistant", else the whole string.
+def _logic_rl_processed_str(solution_str: str) -> str:
+    if "Assistant:" in solution_str:
+        return solution_str.split("Assistant:", 1)[1]
+    if "<|im_start|>assistant" in solution_str:
+        return solution_str.split("<|im_start|>assistant", 1)[1]
+    return solution_str
+
+
+CHAT = render_prompt("Who is who?", template="literal", style=KK_STYLE)  # ends "<|im_start|>assistant\n<think>"
+BASE = "A conversation between User and Assistant. User: Who is who? Assistant: <think>"
+
+# (id, prompt, response, expected total): prompts WITH an assistant header
+TURN_CASES = [
+    ("chat_prefill", CHAT, _resp(RIGHT), 3.0),
+    ("chat_prefill_wrong", CHAT, _resp(WRONG), -0.5),
+    ("chat_second_think_in_response", CHAT, "<think>" + _resp(RIGHT), -3.0),
+    ("base_prefill", BASE, _resp(RIGHT), 3.0),
+    # a pre-fill that continues past <think>: the checked text holds it, wherever <think> is
+    ("chat_prefill_past_think", CHAT + " Let me see.", _resp(RIGHT), 3.0),
+    ("base_prefill_past_think", BASE + " Let me see.\n", _resp(RIGHT), 3.0),
+    ("prefill_holds_think_close", CHAT + "x</think>", "<answer>" + RIGHT + "</answer>", 3.0),
+    ("prefill_without_think", render_prompt("Who is who?", template="literal"), _resp(RIGHT), -3.0),
+    ("no_prefill_own_think", render_prompt("Who is who?", template="literal"), "<think>" + _resp(RIGHT), 3.0),
+    # a second "Assistant:" in the response: the FIRST header (the prompt's) decides
+    ("base_second_header_in_response", BASE, _resp(RIGHT) + "\nAssistant: <think>again", -3.0),
+    ("base_second_header_harmless", BASE, _resp(RIGHT) + "\nAssistant: done", 3.0),
+    # "Assistant:" is looked for before the chat header, even when only the response has it
+    ("chat_then_assistant_colon_in_response", CHAT, "x</think>Assistant: <think>y" + _resp(RIGHT, think=""), 3.0),
+    ("chat_then_assistant_colon_breaks", CHAT, _resp(RIGHT) + " Assistant: bye", -3.0),
+]
+
+
+@pytest.mark.parametrize("prompt, response, expected", [c[1:] for c in TURN_CASES], ids=[c[0] for c in TURN_CASES])
+def test_assistant_turn_of_prompt_plus_response(prompt, response, expected):
+    assert assistant_turn(prompt, response) == _logic_rl_processed_str(prompt + response)
+    assert kk_logic(response, GT, prompt=prompt).score == expected
+    assert score_assistant_turn(_logic_rl_processed_str(prompt + response), GT).score == expected
+
+
+# (id, prompt, response, expected total): prompts WITHOUT an assistant header keep the
+# response-only scoring (the pre-filled <think> read from the prompt's end)
+NO_HEADER_CASES = [
+    ("bare_question", "Who is who?", _resp(RIGHT), -3.0),
+    ("bare_question_own_think", "Who is who?", "<think>x" + _resp(RIGHT), 3.0),
+    ("bare_prefilled_think", "Who is who? <think>", _resp(RIGHT), 3.0),
+    ("bare_prefilled_think_trailing_space", "Who is who?\n<think>\n", _resp(RIGHT), 3.0),
+    ("empty_prompt", "", "<think>x" + _resp(RIGHT), 3.0),
+    ("header_only_in_response_is_ignored", "Who is who? <think>", _resp(RIGHT) + " Assistant: done", 3.0),
+]
+
+
+@pytest.mark.parametrize(
+    "prompt, response, expected", [c[1:] for c in NO_HEADER_CASES], ids=[c[0] for c in NO_HEADER_CASES]
+)
+def test_prompt_without_header_scores_the_response(prompt, response, expected):
+    assert assistant_turn(prompt, response) is None
+    assert kk_logic(response, GT, prompt=prompt).score == expected
+    assert (
+        kk_logic(response, GT, prompt=prompt).score
+        == score_kk(response, GT, think_prefilled=prompt.rstrip().endswith("<think>")).score
+    )

@@ -9,37 +9,123 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_rl.observability import MetricsSink, read_metrics, token_probability_diagnostics
+from megatron_rl.observability import (
+    BUCKET_GROUPS,
+    QUARTILE_GROUPS,
+    MetricsSink,
+    quartile_index,
+    read_metrics,
+    token_probability_diagnostics,
+)
+from megatron_rl.observability.plots import binned_means, binned_shares
 
 ROOT = Path(__file__).resolve().parents[2]
+Q = [g.prefix for g in QUARTILE_GROUPS]
+B = [g.prefix for g in BUCKET_GROUPS]
+
+
+def test_group_names_say_what_they_hold():
+    assert Q == [f"tokens/quartile_q{k}" for k in range(1, 5)]
+    assert B == ["tokens/bucket_p000_025", "tokens/bucket_p025_050", "tokens/bucket_p050_075", "tokens/bucket_p075_100"]
 
 
 def test_diagnostics_hand_computed():
-    p_old = torch.tensor([0.1, 0.2, 0.3, 0.55, 0.8, 0.9, 0.05], dtype=torch.float64)
-    mask = torch.tensor([1, 1, 1, 1, 1, 1, 0])
-    grad = torch.tensor([4.0, 2.0, 1.0, 1.0, 1.0, 1.0, 100.0])  # the masked token must not count
-    new = p_old + torch.tensor([0.1, 0.0, 0.2, -0.1, 0.05, 0.05, 0.0], dtype=torch.float64)
+    p_old = torch.tensor([0.1, 0.2, 0.3, 0.55, 0.8, 0.9, 0.05, 0.6], dtype=torch.float64)
+    mask = torch.tensor([1, 1, 1, 1, 1, 1, 0, 1])
+    grad = torch.tensor([4.0, 2.0, 1.0, 1.0, 1.0, 1.0, 100.0, 0.0])  # the masked token must not count
+    new = p_old + torch.tensor([0.1, 0.0, 0.2, -0.1, 0.05, 0.05, 0.0, -0.2], dtype=torch.float64)
     d = token_probability_diagnostics(p_old.log(), mask, logit_grad_norm=grad, new_logp=new.log())
-    # buckets: q1 {0.1, 0.2}, q2 {0.3}, q3 {0.55}, q4 {0.8, 0.9}
-    assert [d[f"tokens/prob_q{k}/count"] for k in range(1, 5)] == [2, 1, 1, 2]
-    assert d["tokens/prob_q1/mean_p"] == pytest.approx(0.15)
-    assert d["tokens/prob_q1/grad_share"] == pytest.approx(6 / 10)
-    assert d["tokens/prob_q4/grad_share"] == pytest.approx(2 / 10)
-    assert sum(d[f"tokens/prob_q{k}/grad_share"] for k in range(1, 5)) == pytest.approx(1.0)
-    assert d["tokens/prob_q1/dp_mean"] == pytest.approx(0.05)
-    assert d["tokens/prob_q3/dp_mean"] == pytest.approx(-0.1)
+    assert d["tokens/count"] == 7 and d["tokens/logit_grad_norm_sum"] == pytest.approx(10.0)
+    # fixed buckets: [0,.25) {0.1, 0.2}, [.25,.5) {0.3}, [.5,.75) {0.55, 0.6}, [.75,1] {0.8, 0.9}
+    assert [d[f"{b}/count"] for b in B] == [2, 1, 2, 2]
+    assert d[f"{B[0]}/mean_p"] == pytest.approx(0.15)
+    assert [d[f"{b}/grad_share"] for b in B] == pytest.approx([0.6, 0.1, 0.1, 0.2])
+    assert d[f"{B[2]}/dp_mean"] == pytest.approx(-0.15)
+    # quartiles of the 7 valid tokens by rank: sizes 2, 2, 2, 1 (floor(4 * rank / 7))
+    # sorted: 0.1 0.2 | 0.3 0.55 | 0.6 0.8 | 0.9
+    assert [d[f"{q}/count"] for q in Q] == [2, 2, 2, 1]
+    assert [d[f"{q}/mean_p"] for q in Q] == pytest.approx([0.15, 0.425, 0.7, 0.9])
+    assert [d[f"{q}/p_max"] for q in Q] == pytest.approx([0.2, 0.55, 0.8, 0.9])
+    assert [d[f"{q}/grad_share"] for q in Q] == pytest.approx([0.6, 0.2, 0.1, 0.1])
+    assert [d[f"{q}/dp_mean"] for q in Q] == pytest.approx([0.05, 0.05, -0.075, 0.05])
 
 
 def test_bucket_edges_are_lower_inclusive():
     p = torch.tensor([0.25, 0.5, 0.75, 1.0], dtype=torch.float64)
     d = token_probability_diagnostics(p.log(), torch.ones(4))
-    assert [d[f"tokens/prob_q{k}/count"] for k in range(1, 5)] == [0, 1, 1, 2]
+    assert [d[f"{b}/count"] for b in B] == [0, 1, 1, 2]
 
 
-def test_diagnostics_empty_bucket_and_optional_inputs():
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 7, 8, 100, 1001, 4099])
+def test_quartiles_are_equal_count_on_random_probabilities(n):
+    gen = torch.Generator().manual_seed(n)
+    # skewed like a trained policy's probabilities, with ties
+    p = torch.rand(n, generator=gen, dtype=torch.float64) ** 4
+    p[: n // 3] = p[0]
+    q = quartile_index(p)
+    counts = torch.bincount(q, minlength=4)
+    assert int(counts.sum()) == n and int(counts.max() - counts.min()) <= 1
+    # by rank: every value of a lower quartile is <= every value of a higher one
+    for k in range(3):
+        lo, hi = p[q == k], p[q > k]
+        if lo.numel() and hi.numel():
+            assert float(lo.max()) <= float(hi.min())
+    d = token_probability_diagnostics(p.log(), torch.ones(n))
+    assert [d[f"{g}/count"] for g in Q] == counts.tolist()
+
+
+def test_every_group_present_when_empty_and_shares_zero_without_gradient():
+    d = token_probability_diagnostics(
+        torch.tensor([0.9, 0.8]).log(), torch.ones(2), logit_grad_norm=torch.zeros(2), new_logp=torch.zeros(2)
+    )
+    for prefix in Q + B:
+        for field in ("count", "mean_p", "grad_share", "dp_mean"):
+            assert f"{prefix}/{field}" in d, (prefix, field)
+    assert [d[f"{b}/count"] for b in B] == [0, 0, 0, 2]
+    assert d[f"{B[0]}/mean_p"] == 0.0 and d[f"{B[0]}/dp_mean"] == 0.0  # placeholders for an empty group
+    assert [d[f"{q}/count"] for q in Q] == [1, 0, 1, 0]  # n = 2: ranks 0, 1 -> quartiles 0, 2
+    assert all(d[f"{g}/grad_share"] == 0.0 for g in Q + B)  # no gradient at all this step
+    # the optional inputs: no shares, no dp
     d = token_probability_diagnostics(torch.tensor([0.9, 0.8]).log(), torch.ones(2))
-    assert d["tokens/prob_q1/count"] == 0 and "tokens/prob_q1/mean_p" not in d
-    assert "tokens/prob_q4/grad_share" not in d and "tokens/prob_q4/dp_mean" not in d
+    assert "tokens/logit_grad_norm_sum" not in d and f"{Q[0]}/grad_share" not in d and f"{Q[0]}/dp_mean" not in d
+
+
+def _record(step, shares, counts, dp=None, total=1.0):
+    rec = {"step": step, "tokens/logit_grad_norm_sum": total}
+    for prefix, s, c in zip(B, shares, counts):
+        rec.update({f"{prefix}/grad_share": s, f"{prefix}/count": c, f"{prefix}/mean_p": 0.0})
+        if dp is not None:
+            rec[f"{prefix}/dp_mean"] = dp
+    return rec
+
+
+def test_binned_shares_gap_for_missing_groups_and_sum_to_one():
+    records = [
+        _record(1, [0.9, 0.1, 0.0, 0.0], [10, 5, 0, 0]),
+        _record(2, [0.5, 0.5, 0.0, 0.0], [10, 5, 0, 0]),
+        _record(3, [0.0, 0.2, 0.8, 0.0], [0, 5, 10, 0]),  # the lowest bucket has emptied
+        _record(4, [0.0, 0.0, 0.4, 0.6], [0, 0, 10, 10]),
+        _record(5, [0.0] * 4, [0, 0, 10, 10], total=0.0),  # no gradient: left out
+        {"step": 6, "rollout/reward/mean": 1.0},  # no diagnostics logged: left out
+    ]
+    x, rows = binned_shares(records, BUCKET_GROUPS, width=2)
+    assert x == [1.5, 3.5]
+    assert rows[0][:2] == pytest.approx([0.7, 0.3]) and all(math.isnan(v) for v in rows[0][2:])
+    # bin 2: the lowest bucket is a gap, not its stale 0.7; the middle ones average true zeros in
+    assert math.isnan(rows[1][0]) and rows[1][1:] == pytest.approx([0.1, 0.6, 0.3])
+    for row in rows:
+        assert sum(v for v in row if not math.isnan(v)) == pytest.approx(1.0)
+    # per step (width 1): never a value for a group with no tokens
+    x, rows = binned_shares(records, BUCKET_GROUPS, width=1)
+    assert x == [1, 2, 3, 4] and math.isnan(rows[2][0]) and math.isnan(rows[3][1])
+
+
+def test_binned_means_are_token_weighted_and_gap_when_empty():
+    records = [_record(1, [1, 0, 0, 0], [1, 3, 0, 0], dp=0.2), _record(2, [1, 0, 0, 0], [3, 0, 0, 0], dp=0.1)]
+    records[1][f"{B[0]}/dp_mean"] = -0.1
+    x, rows = binned_means(records, BUCKET_GROUPS, "dp_mean", width=2)
+    assert rows[0][0] == pytest.approx((1 * 0.2 + 3 * -0.1) / 4)
+    assert rows[0][1] == pytest.approx(0.2) and math.isnan(rows[0][2]) and math.isnan(rows[0][3])
 
 
 def test_metrics_sink_jsonl_roundtrip_and_truncate(tmp_path):
@@ -65,16 +151,23 @@ def test_metrics_sink_wandb_offline(tmp_path, monkeypatch):
     assert list((tmp_path / "wandb").glob("offline-run-*"))
 
 
-def test_plot_run_writes_pngs(tmp_path):
+def test_plot_run_writes_pngs_from_real_diagnostics(tmp_path):
+    gen = torch.Generator().manual_seed(0)
     with open(tmp_path / "metrics.jsonl", "w") as f:
-        for step in range(1, 6):
-            rec = {"step": step, "rollout/reward/mean": math.sin(step), "eval/accuracy/n3/greedy": step / 10,
-                   "eval/accuracy/n3/sampled": step / 20}
-            rec.update({f"tokens/prob_q{k}/grad_share": 0.25 for k in range(1, 5)})
+        for step in range(1, 31):
+            # the policy sharpens: late steps have no low-probability tokens at all
+            p = (torch.rand(64, generator=gen, dtype=torch.float64) * (1 - step / 31) + step / 31).clamp(max=1)
+            rec = {"step": step, "rollout/reward/mean": math.sin(step), "eval/accuracy/n3/greedy": step / 40,
+                   "eval/accuracy/n3/sampled": step / 50}  # fmt: skip
+            rec.update(token_probability_diagnostics(p.log(), torch.ones(64), logit_grad_norm=1 - p,
+                                                     new_logp=(p * 0.99).log()))  # fmt: skip
             f.write(json.dumps(rec) + "\n")
     proc = subprocess.run([sys.executable, str(ROOT / "tools" / "plot_run.py"), str(tmp_path)],
-                          capture_output=True, text=True)
+                          capture_output=True, text=True)  # fmt: skip
     assert proc.returncode == 0, proc.stderr
-    for name in ("reward.png", "accuracy.png", "grad_share.png"):
+    for name in ("reward.png", "accuracy.png", "grad_share.png", "token_quartiles.png"):
         data = (tmp_path / "plots" / name).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+    records = read_metrics(tmp_path)
+    _, rows = binned_shares(records, BUCKET_GROUPS, width=5)
+    assert math.isnan(rows[-1][0]), "the p < .25 bucket is empty at the end: a gap, not a stale share"

@@ -7,11 +7,14 @@ The user rewards below are module-level so that the spawned workers can import t
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
 import time
 
 import pytest
 
-from megatron_rl.rewards import RewardPool, score_batch
+from megatron_rl.rewards import AllRewardsFailedError, RewardErrorStreak, RewardPool, RewardResult, score_batch
 from megatron_rl.tasks import get_reward
 
 SPEC = f"{__name__}:misbehaving"
@@ -59,9 +62,7 @@ def test_every_failure_kind_in_one_pool():
 
 
 def test_builtin_rewards_run_in_workers():
-    scores, metrics = score_batch(
-        "math", ["\\boxed{1/2}", "no box", "\\boxed{3}"], ["0.5", "1", "4"], timeout_s=30.0
-    )
+    scores, metrics = score_batch("math", ["\\boxed{1/2}", "no box", "\\boxed{3}"], ["0.5", "1", "4"], timeout_s=30.0)
     assert scores == [1.0, 0.0, 0.0] and metrics["reward/parse_failures"] == 1
 
 
@@ -93,3 +94,62 @@ def test_a_worker_that_died_while_idle_is_replaced():
         worker.process.kill()  # e.g. the OOM killer between two batches
         worker.process.join()
         assert [r.score for r in pool.score(["ok", "ok"], [None, None])] == [1.0, 1.0]
+
+
+def test_time_limits_that_would_overflow_the_waits_are_refused():
+    for timeout_s in (float("inf"), 3e6):
+        with pytest.raises(ValueError, match="timeouts must be in"):
+            RewardPool("toy_copy", timeout_s=timeout_s)
+
+
+# A parent that starts two workers, prints their pids, then has them score hanging responses
+# (a busy worker never reads the pipe, so it cannot notice its parent is gone).
+_PARENT = """
+from megatron_rl.rewards import RewardPool
+if __name__ == "__main__":
+    pool = RewardPool("tests.unit.test_rewards_pool:misbehaving", num_workers=2, timeout_s=100)
+    pool.score(["ok", "ok"], [None, None])
+    print(" ".join(str(w.process.pid) for w in pool._workers), flush=True)
+    pool.score(["hang", "hang"], [None, None])
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_workers_die_with_their_parent_even_after_sigkill(tmp_path):
+    script = tmp_path / "parent.py"
+    script.write_text(_PARENT)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    parent = subprocess.Popen([sys.executable, str(script)], cwd=root, env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        workers = [int(p) for p in parent.stdout.readline().split()]
+        assert len(workers) == 2 and all(_alive(p) for p in workers)
+        time.sleep(1.0)  # both are inside the hanging reward now
+    finally:
+        parent.send_signal(signal.SIGKILL)  # no clean-up code runs in the parent
+        parent.wait()
+    deadline = time.monotonic() + 5.0
+    while any(_alive(p) for p in workers) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(_alive(p) for p in workers)
+
+
+def test_a_step_whose_every_reward_failed_k_times_in_a_row_stops():
+    ok, failed = RewardResult(score=1.0), RewardResult(score=0.0, parse_failed=True, error="KeyError: 'answer'")
+    streak = RewardErrorStreak(2)
+    streak.update(1, [failed, failed])
+    streak.update(2, [failed, ok])  # one scored response resets the count
+    streak.update(3, [failed, failed])
+    with pytest.raises(AllRewardsFailedError, match=r"2 steps in a row .*KeyError: 'answer'"):
+        streak.update(4, [failed, failed])
+    assert streak.state_dict() == {"reward_error_steps": 2}
+    streak.load_state_dict({"reward_error_steps": 1})
+    assert streak.count == 1

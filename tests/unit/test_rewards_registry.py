@@ -73,6 +73,9 @@ def test_module_function_loads_and_adapts_to_the_signature():
     assert call_reward(get_reward(f"{__name__}:kwargs_reward"), "a", "b", prompt="P").score == 1.0
 
 
+EVAL_ALIAS = eval  # a builtin re-exported under another module's name is refused too
+
+
 @pytest.mark.parametrize(
     "spec, message",
     [
@@ -82,6 +85,11 @@ def test_module_function_loads_and_adapts_to_the_signature():
         (f"{__name__}:returns", "must accept (response, ground_truth"),
         ("a:b:c", "'package.module:function'"),
         (":fn", "'package.module:function'"),
+        ("builtins:eval", "functions of 'builtins' are refused"),
+        ("builtins:exec", "functions of 'builtins' are refused"),
+        ("os:system", "functions of 'os' are refused"),
+        ("subprocess:call", "functions of 'subprocess' are refused"),
+        (f"{__name__}:EVAL_ALIAS", "it is Python's 'eval', which is refused"),
     ],
 )
 def test_module_function_errors_name_the_spec(spec, message):

@@ -1,0 +1,304 @@
+"""One pipeline stage of a GPT policy on this rank and its forward pass: the model built
+from the spec, megatron's schedule, and per-token log-probs.
+
+Shared by the trained actor (``actor.py``: DDP, optimizer, train step) and the frozen
+reference policy (``reference.py``). The last stage turns its output into per-token
+log-probs and losses with the fused vocab-parallel op (``megatron_rl.ops``) in one of
+two ways (``actor.loss_impl``):
+
+- ``fused_linear`` (default): the final hidden states (``hidden.py``) and this rank's
+  output-layer shard go to the op, which multiplies chunk by chunk; the
+  ``[tokens, V/TP]`` logits never exist. The op runs in megatron's ``[s, b]`` layout, so
+  per-token inputs are transposed to it and results back.
+- ``logits``: megatron's output layer materialises the vocab-parallel logits ``[b, s, V/TP]``.
+
+Both give the same values (float32: within 1e-6; the tests check losses, gradients and
+updated weights). Micro-batches are padded to the sequence multiple the kernels need
+(:func:`pad_multiple`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megatron_rl.actor import cpu_shim
+from megatron_rl.actor.batch import ActorBatch, MicroBatch, make_microbatches
+from megatron_rl.actor.collectives import device, gather_token_values
+from megatron_rl.actor.hidden import final_hidden_states, output_weight
+from megatron_rl.actor.launch import ProcessGroups, initialize_parallel
+from megatron_rl.actor.model import build_gpt_model, build_transformer_config, load_hf_config, resolve_use_te
+from megatron_rl.actor.spec import ActorSpec
+from megatron_rl.actor.weights import HFWeightSource, iter_hf_weights, load_hf_weights
+from megatron_rl.algo import AlgorithmConfig, LossOutput
+from megatron_rl.models import adapter_for_config, padded_vocab_size
+from megatron_rl.ops import (
+    LossInputs,
+    SoftmaxStats,
+    VocabParallelOptions,
+    fused_linear_policy_loss,
+    fused_policy_loss,
+    vocab_parallel_logprobs,
+    vocab_parallel_logprobs_from_hidden,
+)
+
+__all__ = ["LogProbs", "PolicyModel", "pad_multiple"]
+
+_TOKEN_FIELDS = ("targets", "old_logp", "advantages", "mask", "ref_logp")
+
+
+@dataclass(kw_only=True)
+class LogProbs:
+    """Per-token results of :meth:`PolicyModel.compute_logprobs`, aligned with ``input_ids``."""
+
+    logp: torch.Tensor
+    """``[N, L]`` float32 ``log p(input_ids[:, t] | input_ids[:, :t])`` at the temperature; 0 at
+    column 0 and on padding."""
+    entropy: torch.Tensor
+    """``[N, L]`` float32 entropy of the next-token distribution that predicted token ``t``."""
+
+
+def pad_multiple(spec: ActorSpec, *, use_te: bool) -> int:
+    """The multiple each micro-batch's sequence length is padded to: ``actor.pad_tokens_to_multiple_of``,
+    or what the kernels need: 16 for Transformer Engine (aligned token counts for FP8
+    GEMMs), the TP size with sequence parallelism (the sequence is split over TP)."""
+    if spec.actor.pad_tokens_to_multiple_of is not None:
+        multiple = spec.actor.pad_tokens_to_multiple_of
+    else:
+        multiple = 16 if use_te else 1
+    if spec.parallel.sequence_parallel:
+        multiple = math.lcm(multiple, spec.parallel.tensor_model_parallel_size)
+    return multiple
+
+
+class PolicyModel:
+    """This rank's stage of a policy; construct on every rank of an initialised process group."""
+
+    def __init__(self, spec: ActorSpec, *, groups: ProcessGroups | None = None):
+        self.spec = spec
+        self.hf_source_dir = _source_dir(spec.architecture)
+        self.hf_config = load_hf_config(spec.architecture)
+        self.adapter = adapter_for_config(self.hf_config)
+        tp, pp = spec.parallel.tensor_model_parallel_size, spec.parallel.pipeline_model_parallel_size
+        self.groups = groups or initialize_parallel(
+            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, seed=spec.trainer.seed
+        )
+        if (self.groups.tp_size, self.groups.pp_size) != (tp, pp):
+            raise ValueError(f"groups are TP={self.groups.tp_size} PP={self.groups.pp_size}; spec says TP={tp} PP={pp}")
+        self.vocab_size = int(self.hf_config["vocab_size"])
+        self.padded_vocab_size = padded_vocab_size(
+            self.vocab_size, tp_size=tp, divisible_by=spec.model.make_vocab_size_divisible_by
+        )
+        self.transformer_config = build_transformer_config(
+            self.hf_config, parallel=spec.parallel, options=spec.model, actor=spec.actor
+        )
+        self.model = build_gpt_model(
+            self.hf_config,
+            self.transformer_config,
+            pre_process=self.groups.is_first_stage,
+            post_process=self.groups.is_last_stage,
+            options=spec.model,
+            adapter=self.adapter,
+        )
+        self.fused_linear = spec.actor.loss_impl == "fused_linear"
+        self.use_te = resolve_use_te(spec.model)
+        self.pad_multiple = pad_multiple(spec, use_te=self.use_te)
+
+    # ------------------------------------------------------------------ forward machinery
+
+    @property
+    def model_chunks(self) -> list:
+        """What megatron's schedule runs (the actor wraps its model in DDP)."""
+        return [self.model]
+
+    def _local_rows(self, n: int) -> torch.Tensor:
+        if n < self.groups.dp_size:
+            raise ValueError(f"batch of {n} sequences is smaller than the data-parallel size {self.groups.dp_size}")
+        return torch.arange(self.groups.dp_rank, n, self.groups.dp_size)
+
+    def _microbatches(self, batch: ActorBatch) -> list[MicroBatch]:
+        return make_microbatches(
+            batch, self.spec.trainer.max_tokens_per_microbatch, device=device(), pad_to_multiple_of=self.pad_multiple
+        )
+
+    def _vocab_options(self, temperature: float) -> VocabParallelOptions:
+        return VocabParallelOptions(
+            temperature=temperature,
+            tp_group=self.groups.tp if self.groups.tp_size > 1 else None,
+            vocab_size=self.vocab_size,
+            chunk_tokens=self.spec.actor.logits_chunk_tokens,
+        )
+
+    def _run_schedule(self, microbatches: list[MicroBatch], loss_func, *, forward_only: bool) -> list:
+        """megatron's forward(-backward) schedule over ``microbatches``; ``loss_func(mb, output)``
+        gets the last stage's output (final hidden states ``[s, b, H]`` with the fused lm-head,
+        else logits ``[b, s, V/TP]``); returns its reports (last stage; ``[]`` elsewhere)."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        hidden_only = self.fused_linear and self.groups.is_last_stage
+
+        def forward_step(data_iterator, model):
+            mb = next(data_iterator)
+            b, s = mb.input_ids.shape
+            positions = torch.arange(s, device=mb.input_ids.device).expand(b, s)
+            mask = self._attention_mask(s, mb.input_ids.device)
+            if hidden_only:
+                output = final_hidden_states(self.model, mb.input_ids, positions, attention_mask=mask)
+            else:  # labels=None: the last stage returns vocab-parallel logits [b, s, V/TP]
+                output = model(mb.input_ids, positions, attention_mask=mask)
+            return output, partial(loss_func, mb)
+
+        with cpu_shim.cuda_to_cpu():
+            return get_forward_backward_func(pp_size=self.groups.pp_size)(
+                forward_step_func=forward_step,
+                data_iterator=iter(microbatches),
+                model=self.model_chunks,
+                num_microbatches=len(microbatches),
+                seq_length=max(mb.input_ids.shape[1] for mb in microbatches),
+                micro_batch_size=max(mb.input_ids.shape[0] for mb in microbatches),
+                forward_only=forward_only,
+            )
+
+    def _attention_mask(self, s: int, device: torch.device) -> torch.Tensor | None:
+        """The causal mask the local spec's attention applies (``True`` = masked), given
+        explicitly: megatron builds a default one on ``"cuda"``, which fails on CPU when an
+        activation recompute re-runs attention in the backward pass. Transformer Engine's
+        fused attention takes none (causal by its mask type)."""
+        if self.use_te:
+            return None
+        return torch.ones(s, s, dtype=torch.bool, device=device).triu(diagonal=1)[None, None]
+
+    def token_logprobs(
+        self, mb: MicroBatch, output: torch.Tensor, options: VocabParallelOptions
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward-only ``(logp, entropy)`` ``[b, s]`` of one micro-batch from the last stage's output."""
+        if not self.fused_linear:
+            return vocab_parallel_logprobs(output, mb.targets, mask=mb.target_mask, options=options)
+        logp, entropy = vocab_parallel_logprobs_from_hidden(
+            output, output_weight(self.model), mb.targets.t(), mask=mb.target_mask.t(), options=options
+        )
+        return logp.t(), entropy.t()
+
+    def token_loss(
+        self,
+        mb: MicroBatch,
+        output: torch.Tensor,
+        inputs: LossInputs,
+        algorithm: AlgorithmConfig,
+        options: VocabParallelOptions,
+    ) -> tuple[LossOutput, SoftmaxStats, torch.Tensor | None]:
+        """The fused policy loss of one micro-batch (``inputs`` in ``[b, s]``); returns the
+        loss output, the softmax stats and, when asked for, the ``[b, s]`` per-token
+        logit-gradient norms.
+
+        With the fused lm-head, the output-layer gradient is accumulated straight into
+        its ``main_grad`` (megatron DDP's grad buffer, reduced and divided by the global
+        count in ``finalize_model_grads``) during forward."""
+        if not self.fused_linear:
+            out, stats = fused_policy_loss(output, inputs, algorithm, options)
+            norms = stats.logit_grad_norm.reshape(mb.targets.shape) if options.token_grad_norms else None
+            return out, stats, norms
+        b, s = mb.targets.shape
+        # The op works in megatron's [s, b] layout; sequence ids keep seq-mean aggregation per row.
+        transposed = {name: getattr(inputs, name).t() for name in _TOKEN_FIELDS if getattr(inputs, name) is not None}
+        seq_index = torch.arange(b, device=mb.targets.device).expand(s, b)
+        inputs_sb = replace(inputs, **transposed, seq_index=seq_index)
+        weight = output_weight(self.model)
+        main_grad = getattr(weight, "main_grad", None) if torch.is_grad_enabled() else None
+        out, stats = fused_linear_policy_loss(output, weight, inputs_sb, algorithm, options, weight_main_grad=main_grad)
+        norms = stats.logit_grad_norm.reshape(s, b).t() if options.token_grad_norms else None
+        return out, stats, norms
+
+    def _forward_logprobs(self, microbatches: list[MicroBatch], temperature: float) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Forward-only log-probs and entropies per micro-batch, target-aligned ``[b, s]``
+        (last stage; ``[]`` elsewhere)."""
+        options = self._vocab_options(temperature)
+
+        def loss_func(mb: MicroBatch, output: torch.Tensor):
+            logp, entropy = self.token_logprobs(mb, output, options)
+            zero = torch.zeros((), dtype=torch.float32, device=output.device)
+            return zero, torch.zeros((), dtype=torch.int), {"logp": logp, "entropy": entropy}
+
+        for chunk in self.model_chunks:
+            chunk.eval()
+        with torch.no_grad():
+            reports = self._run_schedule(microbatches, loss_func, forward_only=True)
+        return [(r["logp"], r["entropy"]) for r in reports]
+
+    # ------------------------------------------------------------------ log-probs
+
+    def compute_logprobs(self, batch: ActorBatch, temperature: float | None = None) -> LogProbs:
+        """Per-token log-probs and entropies of ``batch`` under the current weights (no grad).
+
+        ``logp[i, t] = log softmax(logits[i, t - 1] / T)[input_ids[i, t]]`` for every real
+        token ``t >= 1`` (0 at column 0 and on padding), ``T`` the spec's (rollout)
+        temperature unless given; ``entropy`` is the full next-token distribution's entropy
+        at the same temperature, same alignment.
+
+        Returned on EVERY rank: the last pipeline stage computes its DP shard, the shards
+        are all-gathered over DP and the result broadcast from the last stage over PP
+        (TP ranks compute identical values). Collective over the world.
+        """
+        temperature = self.spec.temperature if temperature is None else temperature
+        n, length = batch.input_ids.shape
+        rows = self._local_rows(n)
+        microbatches = self._microbatches(batch.select(rows))
+        results = self._forward_logprobs(microbatches, temperature)
+        full = gather_token_values(self.groups, n, length, len(rows), microbatches, [[lp, h] for lp, h in results])
+        return LogProbs(logp=full[0].cpu(), entropy=full[1].cpu())
+
+    # ------------------------------------------------------------------ weights
+
+    def load_hf_weights(self, directory: str | Path) -> int:
+        """Copy the weights of a HF safetensors directory into this stage's shards (each rank
+        reads its own; see ``actor.weights.load_hf_weights``); the number written."""
+        return load_hf_weights(
+            self.model,
+            directory,
+            adapter=self.adapter,
+            hf_config=self.hf_config,
+            padded_vocab_size=self.padded_vocab_size,
+            groups=self.groups,
+            gated_linear_unit=bool(self.transformer_config.gated_linear_unit),
+        )
+
+    def weight_source(self, *, dtype: torch.dtype, bucket_bytes: int = 512 * 2**20) -> HFWeightSource:
+        """The HF-named weights in ``dtype`` as a weight-transfer source (``actor.weights``)."""
+        return HFWeightSource(
+            self.model,
+            dtype=dtype,
+            bucket_bytes=bucket_bytes,
+            adapter=self.adapter,
+            hf_config=self.hf_config,
+            padded_vocab_size=self.padded_vocab_size,
+            groups=self.groups,
+            gated_linear_unit=bool(self.transformer_config.gated_linear_unit),
+        )
+
+    def iter_hf_weights(self, bucket_bytes: int = 512 * 2**20):
+        """Yield ``(hf_name, full tensor)`` pairs covering exactly the HF state dict (see
+        ``actor.weights``): TP shards gathered, all PP stages covered, vocabulary padding
+        stripped; units are gathered ``bucket_bytes`` at a time. Every rank yields the same
+        pairs and must consume the iterator to the end (collectives inside)."""
+        return iter_hf_weights(
+            self.model,
+            adapter=self.adapter,
+            hf_config=self.hf_config,
+            padded_vocab_size=self.padded_vocab_size,
+            groups=self.groups,
+            gated_linear_unit=bool(self.transformer_config.gated_linear_unit),
+            bucket_bytes=bucket_bytes,
+        )
+
+
+def _source_dir(source: Any) -> Path | None:
+    """The HF model directory the config came from (for tokenizer files), if any."""
+    if isinstance(source, (str, Path)):
+        path = Path(source)
+        return path if path.is_dir() else path.parent
+    return None

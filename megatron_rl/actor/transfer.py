@@ -1,0 +1,58 @@
+"""The actor's end of a weight sync: the sender of a transfer group, and the engines' start-up files.
+
+Runs inside every actor rank (``ray_group.ActorWorker``). Every rank iterates the same
+:class:`~megatron_rl.actor.weights.HFWeightSource` in lockstep (its TP/PP gathers are
+collectives); rank 0 alone sends. Which sender depends on the transfer backend only:
+
+- ``gloo``: :class:`~megatron_rl.weight_transfer.gloo.GlooSender` (host memory; CPU
+  machines, and any engine that takes host tensors);
+- ``nccl`` / ``ipc``: vLLM's own trainer engines (``weight_transfer.vllm_backend``).
+
+Both are driven the same way: ``trainer_init`` once per transfer group, then
+``send_weights()`` once per version, through the pool's ``EngineGroupClient``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from megatron_rl.actor.weights import HFWeightSource
+from megatron_rl.models.hf_io import SafetensorsShardWriter, TensorSpec
+from megatron_rl.weight_transfer.gloo import GlooInitInfo, GlooSender
+from megatron_rl.weight_transfer.meta import dtype_of
+
+__all__ = ["open_sender", "write_hf_weights"]
+
+
+def open_sender(source: HFWeightSource, *, rank: int, backend: str, client: Any, init: dict[str, Any]) -> Any:
+    """The sender of ``backend`` over ``source`` for this rank, joined to the engines'
+    transfer group (rank 0 hosts the rendezvous; other ranks only keep the source)."""
+    if backend == "gloo":
+        return GlooSender.trainer_init(GlooInitInfo(**init), client=client, source=source, is_sender=rank == 0)
+    if backend in ("nccl", "ipc"):
+        from megatron_rl.weight_transfer.vllm_backend import open_sender as open_vllm_sender
+
+        fields = {k: init[k] for k in ("master_address", "master_port", "world_size") if backend == "nccl"}
+        return open_vllm_sender(backend, client=client, source=source, rank=rank, **fields)
+    raise ValueError(f"weight-transfer backend {backend!r}: expected gloo, nccl or ipc")
+
+
+def write_hf_weights(source: HFWeightSource, directory: Path, *, rank: int, max_shard_bytes: int = 4 << 30) -> None:
+    """The model's HF safetensors shards into the existing ``directory`` (rank 0 writes,
+    every rank gathers), streamed tensor by tensor: the engines' start-up weights without
+    the whole model in one process's memory."""
+    metas = source.metadata()
+    if rank != 0:
+        for _ in source:
+            pass
+        return
+    specs = [TensorSpec(name=m.name, shape=tuple(m.shape), dtype=dtype_of(m.dtype)) for m in metas]
+    writer = SafetensorsShardWriter(Path(directory), specs, max_shard_bytes=max_shard_bytes)
+    try:
+        for name, tensor in source:
+            writer.write(name, tensor.cpu())
+        writer.finish()
+    except BaseException:
+        writer.close()
+        raise

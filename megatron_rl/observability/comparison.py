@@ -1,0 +1,307 @@
+"""Compare runs of several methods over seeds: a table (Markdown + JSON) and a figure.
+
+Input: run directories (each with a ``metrics.jsonl``), labelled by method and seed, as
+``megatron-rl sweep`` writes them. Per run (:func:`summarize_run`):
+
+- ``final_accuracy``: the last logged ``eval/accuracy/mean`` (greedy eval accuracy);
+- ``steps_to_threshold``: the first logged step whose ``threshold_key`` (default
+  ``eval/accuracy/mean``) reaches ``threshold``; ``None`` when it never does;
+- ``final_reward`` / ``final_entropy``: the mean of ``rollout/reward/mean`` /
+  ``loss/entropy`` over the last ``tail_fraction`` of the logged steps (at least one);
+- ``low_quartile_grad_share``: the mean over the run's steps with a gradient of
+  ``tokens/quartile_q1/grad_share``, the lowest-probability quarter's share of the
+  logit-gradient norm (the AR/Lopti paper's Figure 1 quantity);
+- ``wall_s``: seconds from the first to the last logged step.
+
+Per method (:func:`aggregate`): the mean over seeds and its standard error
+``s / sqrt(n)`` (``s`` the sample standard deviation, ``n - 1`` degrees of freedom;
+``None`` for one seed). ``steps_to_threshold`` is averaged over the seeds that reached
+the threshold, and how many did is reported beside it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from megatron_rl.observability.diagnostics import GRAD_NORM_SUM_KEY, QUARTILE_GROUPS
+from megatron_rl.observability.metrics import read_metrics
+from megatron_rl.observability.plots import NUM_BINS, series
+
+ACCURACY_KEY = "eval/accuracy/mean"
+REWARD_KEY = "rollout/reward/mean"
+ENTROPY_KEY = "loss/entropy"
+LOW_SHARE_KEY = f"{QUARTILE_GROUPS[0].prefix}/grad_share"
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunLabel:
+    """One run of a comparison."""
+
+    method: str
+    """The method's name (``grpo``, ``ar``, ...)."""
+    seed: int
+    """``trainer.seed`` of the run."""
+    run_dir: str
+    """The run directory (holds ``metrics.jsonl``)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunSummary:
+    """The compared numbers of one run (module docstring); ``None`` where the run has no data."""
+
+    method: str
+    """The method's name."""
+    seed: int
+    """``trainer.seed``."""
+    run_dir: str
+    """The run directory."""
+    last_step: int
+    """The last logged step."""
+    final_accuracy: float | None
+    """The last logged ``eval/accuracy/mean``."""
+    steps_to_threshold: int | None
+    """First step whose threshold metric reached the threshold."""
+    final_reward: float | None
+    """Mean ``rollout/reward/mean`` over the last ``tail_fraction`` of steps."""
+    final_entropy: float | None
+    """Mean ``loss/entropy`` (nats) over the last ``tail_fraction`` of steps."""
+    low_quartile_grad_share: float | None
+    """Mean share of the logit-gradient norm from the lowest ``p_old`` quartile."""
+    wall_s: float
+    """Seconds from the first to the last logged step."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Stat:
+    """A mean over seeds with its standard error."""
+
+    mean: float | None
+    """Mean over the values (``None`` without values)."""
+    se: float | None
+    """Standard error ``s / sqrt(n)``; ``None`` with fewer than two values."""
+    values: list[float] = field(default_factory=list)
+    """The values it summarises (seeds with data only)."""
+
+    @classmethod
+    def of(cls, values: Sequence[float | None]) -> Stat:
+        vals = [float(v) for v in values if v is not None]
+        if not vals:
+            return cls(mean=None, se=None, values=[])
+        se = statistics.stdev(vals) / math.sqrt(len(vals)) if len(vals) > 1 else None
+        return cls(mean=statistics.fmean(vals), se=se, values=vals)
+
+    def text(self, digits: int = 3) -> str:
+        if self.mean is None:
+            return "n/a"
+        return f"{self.mean:.{digits}f}" + (f" ± {self.se:.{digits}f}" if self.se is not None else "")
+
+
+def _tail_mean(records: Sequence[dict[str, Any]], key: str, tail_fraction: float) -> float | None:
+    _, values = series(records, key)
+    if not values:
+        return None
+    n = max(1, math.ceil(len(values) * tail_fraction))
+    return statistics.fmean(values[-n:])
+
+
+def summarize_run(
+    label: RunLabel, *, threshold_key: str = ACCURACY_KEY, threshold: float = 0.9, tail_fraction: float = 0.1
+) -> RunSummary:
+    """The :class:`RunSummary` of one run directory (module docstring)."""
+    records = read_metrics(Path(label.run_dir) / "metrics.jsonl")
+    _, acc = series(records, ACCURACY_KEY)
+    reached = [s for s, v in zip(*series(records, threshold_key)) if v >= threshold]
+    shares = [
+        r[LOW_SHARE_KEY] for r in records if (r.get(GRAD_NORM_SUM_KEY) or 0) > 0 and r.get(LOW_SHARE_KEY) is not None
+    ]
+    return RunSummary(
+        method=label.method,
+        seed=label.seed,
+        run_dir=str(label.run_dir),
+        last_step=int(records[-1]["step"]) if records else 0,
+        final_accuracy=acc[-1] if acc else None,
+        steps_to_threshold=reached[0] if reached else None,
+        final_reward=_tail_mean(records, REWARD_KEY, tail_fraction),
+        final_entropy=_tail_mean(records, ENTROPY_KEY, tail_fraction),
+        low_quartile_grad_share=statistics.fmean(shares) if shares else None,
+        wall_s=float(records[-1]["time"] - records[0]["time"]) if len(records) > 1 else 0.0,
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class MethodSummary:
+    """A method's numbers over its seeds."""
+
+    method: str
+    """The method's name."""
+    seeds: list[int]
+    """The seeds summarised."""
+    final_accuracy: Stat
+    """Final eval accuracy over seeds."""
+    steps_to_threshold: Stat
+    """Steps to the threshold, over the seeds that reached it."""
+    num_reached: int
+    """Seeds that reached the threshold."""
+    final_reward: Stat
+    """Final training reward over seeds."""
+    final_entropy: Stat
+    """Final policy entropy over seeds."""
+    low_quartile_grad_share: Stat
+    """Lowest-quartile gradient share over seeds."""
+    wall_s: Stat
+    """Run wall time over seeds."""
+
+
+def aggregate(summaries: Sequence[RunSummary]) -> list[MethodSummary]:
+    """One :class:`MethodSummary` per method, in order of first appearance."""
+    methods = list(dict.fromkeys(s.method for s in summaries))
+    out = []
+    for m in methods:
+        runs = [s for s in summaries if s.method == m]
+        steps = [s.steps_to_threshold for s in runs]
+        out.append(
+            MethodSummary(
+                method=m,
+                seeds=[s.seed for s in runs],
+                final_accuracy=Stat.of([s.final_accuracy for s in runs]),
+                steps_to_threshold=Stat.of(steps),
+                num_reached=sum(v is not None for v in steps),
+                final_reward=Stat.of([s.final_reward for s in runs]),
+                final_entropy=Stat.of([s.final_entropy for s in runs]),
+                low_quartile_grad_share=Stat.of([s.low_quartile_grad_share for s in runs]),
+                wall_s=Stat.of([s.wall_s for s in runs]),
+            )
+        )
+    return out
+
+
+def comparison_markdown(methods: Sequence[MethodSummary], *, threshold_key: str, threshold: float) -> str:
+    """The comparison table as Markdown (means ± standard errors over seeds)."""
+    lines = [
+        f"| method | seeds | final accuracy | steps to {threshold_key} >= {threshold:g} (reached) "
+        "| final reward | final entropy | q1 gradient share | wall s/run |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for m in methods:
+        steps = m.steps_to_threshold
+        steps_text = (
+            (f"{steps.mean:.0f}" + (f" ± {steps.se:.0f}" if steps.se is not None else ""))
+            if steps.mean is not None
+            else "-"
+        )
+        lines.append(
+            f"| {m.method} | {len(m.seeds)} | {m.final_accuracy.text()} | {steps_text} ({m.num_reached}/{len(m.seeds)}) "
+            f"| {m.final_reward.text()} | {m.final_entropy.text()} | {m.low_quartile_grad_share.text()} "
+            f"| {m.wall_s.text(0)} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def write_comparison(
+    out_dir: str | Path,
+    labels: Sequence[RunLabel],
+    *,
+    threshold_key: str = ACCURACY_KEY,
+    threshold: float = 0.9,
+    tail_fraction: float = 0.1,
+    header: str = "",
+) -> list[Path]:
+    """Write ``comparison.md``, ``comparison.json`` and ``comparison.png`` to ``out_dir``.
+
+    ``header`` (Markdown) goes above the table (e.g. the command that produced the runs).
+    Returns the paths written.
+    """
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    runs = [summarize_run(lb, threshold_key=threshold_key, threshold=threshold, tail_fraction=tail_fraction)
+            for lb in labels]  # fmt: skip
+    methods = aggregate(runs)
+    table = comparison_markdown(methods, threshold_key=threshold_key, threshold=threshold)
+    notes = (
+        f"Means ± standard errors over seeds. Final accuracy: the last `{ACCURACY_KEY}`; final reward and "
+        f"entropy: means over the last {tail_fraction:.0%} of steps; q1 gradient share: the lowest-p_old "
+        "quartile's share of the logit-gradient norm, averaged over the steps with a gradient; steps to the "
+        "threshold: over the seeds that reached it.\n"
+    )
+    md = out_dir / "comparison.md"
+    md.write_text((header.rstrip() + "\n\n" if header else "") + table + "\n" + notes, encoding="utf-8")
+    js = out_dir / "comparison.json"
+    payload = {
+        "threshold_key": threshold_key,
+        "threshold": threshold,
+        "tail_fraction": tail_fraction,
+        "methods": [asdict(m) for m in methods],
+        "runs": [asdict(r) for r in runs],
+    }
+    js.write_text(json.dumps(payload, indent=2) + "\n", encoding="utf-8")
+    png = plot_comparison(labels, out_dir / "comparison.png")
+    return [md, js, png]
+
+
+def _binned_seed_mean(
+    per_seed: Sequence[Sequence[dict[str, Any]]], key: str, width: int, *, require_gradient: bool = False
+) -> tuple[list[float], list[float], list[float]]:
+    """``(bin centres, mean over seeds, standard error)`` of ``key`` averaged per bin of steps."""
+    bins: dict[int, list[float]] = {}
+    for records in per_seed:
+        seed_bins: dict[int, list[float]] = {}
+        for r in records:
+            v = r.get(key)
+            if v is None or (require_gradient and not (r.get(GRAD_NORM_SUM_KEY) or 0) > 0):
+                continue
+            seed_bins.setdefault((int(r["step"]) - 1) // width, []).append(float(v))
+        for b, vs in seed_bins.items():
+            bins.setdefault(b, []).append(statistics.fmean(vs))
+    x, mean, se = [], [], []
+    for b in sorted(bins):
+        stat = Stat.of(bins[b])
+        x.append(b * width + (width + 1) / 2)
+        mean.append(stat.mean)
+        se.append(stat.se or 0.0)
+    return x, mean, se
+
+
+def plot_comparison(labels: Sequence[RunLabel], path: str | Path) -> Path:
+    """Eval accuracy, training reward, entropy and the lowest quartile's gradient share over
+    training, one line per method (mean over seeds, band = ± standard error)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs: dict[str, list[list[dict[str, Any]]]] = {}
+    for lb in labels:
+        runs.setdefault(lb.method, []).append(read_metrics(Path(lb.run_dir) / "metrics.jsonl"))
+    last = max((r[-1]["step"] for rs in runs.values() for r in rs if r), default=1)
+    width = max(1, math.ceil(last / NUM_BINS))
+    panels = (
+        (ACCURACY_KEY, "eval accuracy (greedy)", 1, False),  # evals fall on the same steps in every seed
+        (REWARD_KEY, "training reward", width, False),
+        (ENTROPY_KEY, "policy entropy (nats)", width, False),
+        (LOW_SHARE_KEY, "gradient share of the lowest p_old quartile", width, True),
+    )
+    fig, axes = plt.subplots(2, 2, figsize=(10, 6.5))
+    for ax, (key, title, w, grad_only) in zip(axes.flat, panels):
+        for method, per_seed in runs.items():
+            x, mean, se = _binned_seed_mean(per_seed, key, w, require_gradient=grad_only)
+            if not x:
+                continue
+            (line,) = ax.plot(x, mean, "-", lw=1.4, label=f"{method} (n={len(per_seed)})")
+            ax.fill_between(x, [m - s for m, s in zip(mean, se)], [m + s for m, s in zip(mean, se)],
+                            color=line.get_color(), alpha=0.2, lw=0)  # fmt: skip
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("step")
+        if key in (ACCURACY_KEY, LOW_SHARE_KEY):
+            ax.set_ylim(-0.02, 1.02)
+    axes.flat[0].legend(fontsize=7)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

@@ -1,0 +1,109 @@
+"""The actor's features for 14B+ runs, on CPU/gloo (tests/helpers/actor_scale_worker.py, one
+4-rank torchrun job): the fused lm-head loss equals the materialised-logits path
+(log-probs, per-token gradient norms, losses, grad norms, updated weights) at TP 1/2,
+PP 1/2, tied and untied embeddings, with and without sequence parallelism; sequence
+parallelism and activation recompute change nothing; padding micro-batches to a multiple
+of 8/16/64 changes nothing; the reference policy is frozen, weights-only, equals the
+actor at step 0 for every initial-weight source, stays fixed while the actor trains and
+across a resume, and holds no parameter memory between passes when offloaded.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_rl.models.convert import HfToMcoreOptions, hf_to_mcore
+from tests.helpers.tiny_hf import save_model
+
+REPO = Path(__file__).resolve().parents[2]
+WORKER = REPO / "tests" / "helpers" / "actor_scale_worker.py"
+TOL = 1e-6
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("actor_scale")
+    spec = {"variants": {}, "work_dir": str(root / "work")}
+    for seed, variant in enumerate(("qwen2_gqa", "qwen2_tied")):
+        hf_dir = save_model(variant, root / variant, seed=seed)
+        mcore_dir = root / f"{variant}_mcore"
+        hf_to_mcore(HfToMcoreOptions(hf_dir=hf_dir, out_dir=mcore_dir))
+        spec["variants"][variant] = {"hf_dir": str(hf_dir), "mcore_dir": str(mcore_dir)}
+    out = root / "out"
+    out.mkdir()
+    (root / "spec.json").write_text(json.dumps(spec))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4",
+           str(WORKER), str(root / "spec.json"), str(out)]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-8000:]
+    reports = [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]
+    for r in reports[1:]:  # every rank returns the same results
+        assert r["fused_vs_logits"] == reports[0]["fused_vs_logits"]
+    return reports[0]
+
+
+def _same_metrics(pair, tol=TOL):
+    a, b = pair
+    for ma, mb in zip(a, b, strict=True):
+        for key in ma:
+            assert math.isfinite(ma[key]) and abs(ma[key] - mb[key]) <= tol * max(1.0, abs(mb[key])), (key, ma, mb)
+
+
+def test_fused_lm_head_equals_the_logits_path(report):
+    cases = report["fused_vs_logits"]
+    assert len(cases) == 9
+    for key, case in cases.items():
+        assert case["logp"] <= 2e-6 and case["entropy"] <= 2e-6, key
+        assert case["grad_norms"] <= 2e-6, key
+        _same_metrics(case["metrics"])
+        assert case["weights"] <= TOL, (key, case["weights"])
+
+
+def test_sequence_parallel_changes_nothing(report):
+    for key, case in report["sp_vs_no_sp"].items():
+        assert case["logp"] <= 2e-6, key
+        _same_metrics(case["metrics"])
+        assert case["weights"] <= TOL, (key, case["weights"])
+
+
+def test_recompute_gives_the_same_gradients(report):
+    for key, case in report["recompute"].items():
+        _same_metrics(case["metrics"])
+        assert case["weights"] <= TOL, (key, case["weights"])
+
+
+def test_padding_to_a_multiple_changes_nothing(report):
+    assert set(report["padding"]) == {"8", "16", "64"}
+    for key, case in report["padding"].items():
+        assert case["logp"] <= 2e-6, key
+        _same_metrics(case["metrics"])
+        assert case["weights"] <= TOL, (key, case["weights"])
+
+
+@pytest.mark.parametrize("source", ["hf", "mcore", "random"])
+def test_reference_is_frozen_weights_only_and_fixed(report, source):
+    ref = report["reference"][source]
+    assert not ref["requires_grad"] and not ref["has_main_grad"] and not ref["has_ddp_or_optimizer"]
+    assert ref["vs_actor_at_step0"] <= TOL
+    assert ref["actor_moved"] > 1e-3  # the actor trained ...
+    assert ref["reference_fixed"] == 0.0  # ... and the reference did not move
+
+
+def test_offloaded_reference_holds_no_parameter_memory_between_passes(report):
+    ref = report["reference"]["hf"]
+    assert ref["offloaded"] and ref["resident_bytes_between_passes"] == 0 and ref["resident_bytes_after_pass"] == 0
+    assert report["reference"]["mcore"]["resident_bytes_between_passes"] > 0  # not offloaded: resident
+
+
+def test_resume_keeps_the_initial_reference(report):
+    ref = report["reference"]["hf"]
+    assert ref["resumed_reference_vs_initial"] == 0.0
+    assert ref["resumed_actor_vs_trained"] <= TOL

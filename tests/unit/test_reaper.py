@@ -1,0 +1,60 @@
+"""The reaper (``megatron_rl/commands/reaper.py``): once a driver dies by SIGKILL, the
+processes it started (children and grandchildren, even ones ignoring SIGTERM) die within
+seconds; a process that merely reuses a recorded PID is never touched."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from megatron_rl.commands import reaper
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+
+# A "driver" that starts the reaper on itself, then a child that ignores SIGTERM and starts a
+# grandchild; it prints the three pids and sleeps until it is killed.
+_DRIVER = """
+import os, signal, subprocess, sys, time
+from megatron_rl.commands import reaper
+reaper.start()
+stubborn = "import signal, subprocess, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); " \\
+           "g = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)']); " \\
+           "print(g.pid, flush=True); time.sleep(300)"
+child = subprocess.Popen([sys.executable, "-c", stubborn], stdout=subprocess.PIPE, text=True)
+grandchild = int(child.stdout.readline())
+print(os.getpid(), child.pid, grandchild, flush=True)
+time.sleep(300)
+"""
+
+
+def test_a_killed_drivers_processes_die_within_seconds():
+    driver = subprocess.Popen([sys.executable, "-c", _DRIVER], stdout=subprocess.PIPE, text=True)
+    try:
+        pids = [int(p) for p in driver.stdout.readline().split()]
+        started = {p: reaper.process_start_time(p) for p in pids[1:]}
+        assert all(started.values())
+        time.sleep(2.5)  # the reaper looks once a second
+    finally:
+        driver.send_signal(signal.SIGKILL)
+        driver.wait()
+    deadline = time.monotonic() + 10.0
+    while time.monotonic() < deadline and any(reaper.process_start_time(p) == s for p, s in started.items()):
+        time.sleep(0.1)
+    alive = [p for p, s in started.items() if reaper.process_start_time(p) == s]
+    assert not alive, f"still alive 10 s after the driver was killed: {alive}"
+
+
+def test_descendants_follow_the_parent_links():
+    table = {10: (1, 100), 11: (10, 110), 12: (11, 120), 13: (1, 130), 14: (13, 140)}
+    assert reaper.descendants({10}, table) == {11: 110, 12: 120}
+    assert reaper.descendants({99}, table) == {}
+
+
+def test_a_reused_pid_is_not_signalled():
+    me = os.getpid()
+    assert reaper._signal_all({me: reaper.process_start_time(me) + 1}, signal.SIGTERM) == 0

@@ -1,0 +1,97 @@
+"""The Megatron actor's weights into a real vLLM engine through the run's weight-sync path
+(``weight_sync.WeightSync``, transport ``collective``: a gloo group of actor rank 0 and the
+engine's workers, driven through vLLM's weight-transfer API), from actor layouts TP1/PP1,
+TP2 and PP2.
+
+The reference is the same engine after an object-store load of the HF checkpoint the
+actors start from (that path equals a fresh engine: tests/vllm/test_vllm_engine.py). After
+each layout's sync the engine must hold exactly those weights (vLLM's per-parameter
+checksums), generate the same tokens at the same seeds, and its sampled-token log-probs
+must match the actor's own recomputation (the trainer's mismatch metric) to 1e-4. Between
+layouts the engine is reset to other weights, so each sync has something to do.
+"""
+
+import pytest
+import torch
+
+from megatron_rl.actor.ray_group import ActorGroup
+from megatron_rl.actor.spec import ActorSpec
+from megatron_rl.algo.mismatch import logprob_mismatch
+from megatron_rl.config import ParallelConfig, RolloutConfig, TrainerConfig
+from megatron_rl.experience import build_experience
+from megatron_rl.placement import GroupPlacement
+from megatron_rl.rollout import RolloutPool, SamplingParams
+from megatron_rl.weight_buckets import MIB, make_buckets
+from megatron_rl.weight_sync import WeightSync
+from megatron_rl.weight_transfer.meta import TensorMeta
+from tests.helpers.rollout_models import VLLM_MODEL, hf_state, save_qwen2, vllm_engine_args
+
+ray = pytest.importorskip("ray")
+
+PROMPTS = [[1, 2, 3, 4], [5, 6, 7], [8, 9], list(range(20, 31))]
+PARAMS = SamplingParams(n=2, temperature=1.0, max_new_tokens=8, seed=11)
+LAYOUTS = {"tp1": (1, 1), "tp2": (2, 1), "pp2": (1, 2)}
+
+
+def _ids(results):
+    return [[c.token_ids for c in group] for group in results]
+
+
+def _load(pool, directory, version):
+    state = hf_state(directory)
+    metas = [TensorMeta.of(name, tensor) for name, tensor in state.items()]
+    pool.sync(make_buckets(state.items(), MIB), version=version, metas=metas)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("vllm_actor_sync")
+    actor_dir = save_qwen2(root / "actor", seed=5, **VLLM_MODEL)
+    other_dir = save_qwen2(root / "other", seed=9, **VLLM_MODEL)
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    pool = RolloutPool(RolloutConfig(engine="vllm", engine_args=vllm_engine_args()), str(other_dir),
+                       placement=GroupPlacement.uniform(1, num_cpus=1), weight_backend="gloo")  # fmt: skip
+    try:
+        _load(pool, actor_dir, version=100)
+        reference = pool.generate(PROMPTS, PARAMS), ray.get(pool.actors[0].weight_checksums.remote())
+        yield pool, actor_dir, other_dir, reference
+    finally:
+        pool.shutdown()
+        ray.shutdown()
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_collective_sync_from_actor_layout_equals_the_checkpoint(setup, layout):
+    pool, actor_dir, other_dir, (want, want_checksums) = setup
+    tp, pp = LAYOUTS[layout]
+    _load(pool, other_dir, version=200)  # the engine holds other weights before the sync
+    assert ray.get(pool.actors[0].weight_checksums.remote()) != want_checksums
+    spec = ActorSpec(
+        architecture=str(actor_dir),
+        parallel=ParallelConfig(num_actor_ranks=tp * pp, tensor_model_parallel_size=tp,
+                                pipeline_model_parallel_size=pp),
+        trainer=TrainerConfig(seed=7),
+    )  # fmt: skip
+    actors = ActorGroup(spec, GroupPlacement.uniform(tp * pp, num_cpus=0.5))
+    rollout = RolloutConfig(engine="vllm", weight_transport="collective", weight_sync_bucket_mb=1)
+    sync = None
+    try:
+        actors.load_initial_weights(str(actor_dir))
+        sync = WeightSync(actors, pool, rollout, transport="collective", backend="gloo")
+        stats = sync.run(version=1)
+        assert stats["weight_sync/retries"] == 0 and stats["weight_sync/num_engines"] == 1
+        assert pool.weight_version == 1
+        assert ray.get(pool.actors[0].weight_checksums.remote()) == want_checksums
+        got = pool.generate(PROMPTS, PARAMS)
+        assert _ids(got) == _ids(want)
+        assert all(c.weight_version == 1 for g in got for c in g)
+        # the engine's log-probs vs the actor's recomputation: the trainer's mismatch metric
+        exp = build_experience(PROMPTS, got, pad_id=0)
+        actor_lp = actors.compute_logprobs(exp.batch).logp
+        metrics = logprob_mismatch(exp.batch.engine_logp, actor_lp, exp.batch.loss_mask).metrics
+        assert metrics["rollout/logp_mismatch/max_abs"] <= 1e-4, metrics
+        assert torch.isfinite(actor_lp).all()
+    finally:
+        if sync is not None:
+            sync.close()
+        actors.shutdown()

@@ -1,0 +1,115 @@
+"""A Ray pool of two real vLLM engines: dispatch, weight sync, an engine killed mid-rollout,
+and no vLLM process left behind.
+
+The engines are :class:`~tests.helpers.rollout_engines.FaultOnceVLLMEngine`: the real
+``VLLMEngine`` whose Ray actor process exits (``os._exit``) on its first request after a
+file is armed, which is what a crashed engine looks like to the pool; its engine-core
+process must notice by itself.
+"""
+
+import time
+
+import psutil
+import pytest
+import torch
+
+from megatron_rl.config import PoolConfig, RolloutConfig
+from megatron_rl.placement import GroupPlacement
+from megatron_rl.rollout import RolloutPool, SamplingParams
+from megatron_rl.weight_buckets import MIB, make_buckets
+from megatron_rl.weight_transfer.meta import TensorMeta
+from tests.helpers.rollout_models import (
+    VLLM_MODEL as MODEL,
+)
+from tests.helpers.rollout_models import (
+    build_qwen2,
+    hf_state,
+    reference_logprobs,
+    save_qwen2,
+    vllm_engine_args,
+)
+
+ray = pytest.importorskip("ray")
+
+PROMPTS = [[1, 2, 3], [5] * 9, [7, 8], list(range(20, 37)), [3], [9, 9, 1, 4]]
+PARAMS = SamplingParams(n=3, temperature=0.7, max_new_tokens=10, seed=17)
+
+
+def _ids(results):
+    return [[c.token_ids for c in group] for group in results]
+
+
+def _alive(pids):
+    """The PIDs among ``pids`` that are running (zombies are dead but not yet reaped)."""
+    alive = []
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                alive.append(pid)
+        except psutil.NoSuchProcess:
+            pass
+    return alive
+
+
+def _wait_gone(pids, timeout_s=30.0):
+    deadline = time.monotonic() + timeout_s
+    while _alive(pids) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return _alive(pids)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("vllm_pool")
+    a, b = save_qwen2(root / "a", seed=0, **MODEL), save_qwen2(root / "b", seed=7, **MODEL)
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    config = RolloutConfig(
+        engine="tests.helpers.rollout_engines:FaultOnceVLLMEngine",
+        engine_args={"arm_file": str(root / "arm"), **vllm_engine_args()},
+        num_engines=2,
+        pool=PoolConfig(restart_timeout_s=300, request_timeout_s=300),
+    )
+    pool = RolloutPool(config, str(a), placement=GroupPlacement.uniform(2, num_cpus=1), weight_backend="gloo")
+    try:
+        yield pool, a, b, root / "arm"
+    finally:
+        pids = [p for h in pool.health() if h.get("ok") for p in h.get("child_pids", [])]
+        pool.shutdown()
+        ray.shutdown()
+        assert not _wait_gone(pids), "vLLM processes outlived the pool"
+
+
+def test_sync_then_both_engines_serve_the_new_weights(setup):
+    pool, _, b, _ = setup
+    state = hf_state(b)
+    metas = [TensorMeta.of(name, tensor) for name, tensor in state.items()]
+    stats = pool.sync(make_buckets(state.items(), MIB // 4), version=1, metas=metas)
+    assert stats["weight_sync/num_buckets"] > 1 and stats["weight_sync/num_engines"] == 2
+    assert all(h["weight_version"] == 1 and h["backend"] == "vllm" for h in pool.health())
+    results = pool.generate(PROMPTS, PARAMS)
+    assert {c.engine for g in results for c in g} == {"rollout-0", "rollout-1"}  # both engines served
+    model = build_qwen2(7, **MODEL)
+    for prompt, group in zip(PROMPTS, results):
+        for c in group:
+            assert c.weight_version == 1
+            ref = reference_logprobs(model, prompt, c.token_ids, PARAMS.temperature)
+            assert (ref - torch.tensor(c.logprobs)).abs().max().item() <= 1e-4
+
+
+def test_engine_killed_mid_rollout_is_restarted_with_current_weights(setup):
+    pool, _, _, arm = setup
+    expected = pool.generate(PROMPTS, PARAMS)
+    before = {h["engine"]: h for h in pool.health()}
+    arm.write_text("exit")  # the first engine to get a request exits
+    results = pool.generate(PROMPTS, PARAMS)
+    assert not arm.exists()
+    assert pool.last_stats["rollout/num_retries"] == 1
+    # nothing lost or duplicated: the same completions, each prompt's group once, in order
+    assert _ids(results) == _ids(expected)
+    assert all(c.weight_version == 1 for g in results for c in g)
+    after = {h["engine"]: h for h in pool.health()}
+    assert all(h["ok"] and h["weight_version"] == 1 for h in after.values())
+    crashed = [name for name in before if after[name]["pid"] != before[name]["pid"]]
+    assert len(crashed) == 1
+    # the crashed actor's vLLM processes did not outlive it
+    assert not _wait_gone(before[crashed[0]]["child_pids"])

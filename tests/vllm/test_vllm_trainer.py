@@ -1,0 +1,90 @@
+"""The trainer with real vLLM engines (``examples/tiny_cpu_vllm.yaml``, weights through the
+collective gloo transport): log-prob parity with the Megatron actor on every step, kill -9
+of the driver then resume reproducing an uninterrupted run, and no process of the run --
+vLLM's engine cores and workers included -- left behind after an exit or a kill.
+
+Processes are recognised by an environment tag every process of the run inherits (the
+driver's local Ray, its workers, and vLLM's processes below them).
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import psutil
+import pytest
+
+from megatron_rl.observability import read_metrics
+from tests.e2e.conftest import ROOT, tiny_overrides
+
+EXAMPLE = ROOT / "examples" / "tiny_cpu_vllm.yaml"
+ARGS = ("trainer.num_steps=6", "trainer.save_every_steps=2", "trainer.eval_every_steps=3")
+COMPARED = ("rollout/reward/mean", "loss/total", "actor/grad_norm", "rollout/logp_mismatch/max_abs")
+
+
+def _tagged(tag):
+    """Live (non-zombie) processes whose environment carries ``tag``."""
+    found = []
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        try:
+            if proc.environ().get("MEGATRON_RL_TEST_RUN") == tag and proc.status() != psutil.STATUS_ZOMBIE:
+                found.append((proc.pid, " ".join(proc.info["cmdline"] or [])[:80]))
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            pass
+    return found
+
+
+def _wait_none_tagged(tag, timeout_s):
+    deadline = time.monotonic() + timeout_s
+    while (left := _tagged(tag)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return left
+
+
+def _train(out_dir, tag):
+    cmd = [sys.executable, "-m", "megatron_rl", "train", str(EXAMPLE), *tiny_overrides(out_dir, *ARGS)]
+    env = {**os.environ, "MEGATRON_RL_TEST_RUN": tag}
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def test_vllm_run_matches_the_actor_resumes_exactly_and_leaves_no_process(tmp_path):
+    tag_a, tag_b = uuid.uuid4().hex, uuid.uuid4().hex
+    ref = _train(tmp_path / "a", tag_a)
+    out, _ = ref.communicate(timeout=900)
+    assert ref.returncode == 0, out[-4000:]
+    assert not _wait_none_tagged(tag_a, 30), "processes of a finished run are still alive"
+    a = {r["step"]: r for r in read_metrics(tmp_path / "a" / "tiny_cpu_vllm")}
+    assert sorted(a) == list(range(1, 7))
+    for row in a.values():  # vLLM's sampled-token log-probs vs the actor's recomputation
+        assert row["rollout/logp_mismatch/max_abs"] <= 1e-4, row["rollout/logp_mismatch/max_abs"]
+        assert row["weight_sync/retries"] == 0
+
+    # kill -9 the driver alone once step 4 is checkpointed and step 5 logged
+    victim = _train(tmp_path / "b", tag_b)
+    run_dir = tmp_path / "b" / "tiny_cpu_vllm"
+    deadline = time.monotonic() + 900
+    while time.monotonic() < deadline:
+        if (run_dir / "checkpoints" / "step_000004").is_dir() and (run_dir / "metrics.jsonl").exists():
+            if any(r["step"] >= 5 for r in read_metrics(run_dir)):
+                break
+        if victim.poll() is not None:
+            pytest.fail("the run finished before it could be killed:\n" + victim.stdout.read()[-4000:])
+        time.sleep(0.05)
+    assert any("VLLM::" in cmd for _, cmd in _tagged(tag_b)), "no vLLM process found to check"
+    os.kill(victim.pid, signal.SIGKILL)
+    victim.wait()
+    assert not _wait_none_tagged(tag_b, 30), "processes of a killed run are still alive"
+
+    resumed = _train(tmp_path / "b", tag_b)
+    out, _ = resumed.communicate(timeout=900)
+    assert resumed.returncode == 0, out[-4000:]
+    b = {r["step"]: r for r in read_metrics(run_dir)}
+    assert sorted(b) == list(range(1, 7)), "each step is logged once"
+    for step in range(1, 7):
+        for key in COMPARED:
+            assert b[step][key] == pytest.approx(a[step][key], rel=1e-6, abs=1e-6), (step, key)
+    assert b[6]["eval/accuracy/mean"] == a[6]["eval/accuracy/mean"]
+    assert not _wait_none_tagged(tag_b, 30)
