@@ -232,7 +232,10 @@ def plan_memory(
         resident_ref = with_reference and not actor.reference_offload
         c["reference_policy"] = params * a if resident_ref else 0
         engines = _colocated_engine_bytes(rollout, gpu_memory_bytes, use_cuda=use_te or gpu_memory_bytes is not None)
-        plan.generation_bytes = c["parameters"] + c["gradients"] + c["optimizer_state"] + c["reference_policy"] + engines
+        if rollout.placement == "colocated":  # the trainer offloads all but the weights while engines generate
+            plan.generation_bytes = c["parameters"] + engines
+        else:
+            plan.generation_bytes = c["parameters"] + c["gradients"] + c["optimizer_state"] + c["reference_policy"]
         generation = max(generation, plan.generation_bytes)
         if best is None or plan.training_bytes > best.training_bytes:
             best = plan
@@ -242,8 +245,9 @@ def plan_memory(
         "activations assume " + ("fused (flash) attention" if flash else "the local spec's unfused attention softmax")
         + f"; {microbatches} micro-batch(es) of {tokens} tokens per step and DP rank"
     )  # fmt: skip
-    if rollout.placement == "colocated" and rollout.engine == "vllm":
-        best.notes.append("generation: the actor stays resident (no offload yet) while the engines hold their share")
+    if rollout.placement == "colocated":
+        best.notes.append("generation: the actor keeps only its weights on the GPU (gradients, optimizer state and "
+                          "reference offloaded) while the engines hold their share")  # fmt: skip
     return best
 
 

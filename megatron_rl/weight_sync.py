@@ -65,6 +65,9 @@ def resolve_transport(rollout: RolloutConfig, *, cuda: bool) -> tuple[str, str]:
         backend = "nccl" if cuda and "nccl" in cls.weight_backends else "gloo"
     else:
         backend = _BACKEND[transport]
+    if rollout.tensor_parallel_size > 1 and not cls.tensor_parallel:
+        raise ConfigError("rollout.tensor_parallel_size", f"{rollout.tensor_parallel_size}: rollout.engine "
+                          f"{rollout.engine!r} has no tensor parallelism (use 1, or the vllm engine)")  # fmt: skip
     if rollout.weight_dtype not in cls.weight_formats:
         raise ConfigError(
             "rollout.weight_dtype",

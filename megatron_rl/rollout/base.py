@@ -241,6 +241,9 @@ class RolloutEngine(abc.ABC):
     _weights_ok: bool = True
     _dequantizer: Any = None  # a ``weight_transfer.fp8.Dequantizer`` while an FP8 update is open
 
+    tensor_parallel: bool = False
+    """Whether the engine takes a ``tensor_parallel_size`` argument (``rollout.tensor_parallel_size``)."""
+
     weight_formats: tuple[str, ...] = ("auto",)
     """Wire formats this engine reads (``rollout.weight_dtype``): ``auto`` (its own dtype)
     and, where supported, ``fp8`` (``weight_transfer.fp8``)."""

@@ -99,6 +99,7 @@ class VLLMEngine(RolloutEngine):
     """
 
     weight_backends = ("object_store", "gloo", "nccl", "ipc")
+    tensor_parallel = True  # vllm.LLM(tensor_parallel_size=...): rollout.tensor_parallel_size
 
     def __init__(
         self, model_path: str | Path, *, name: str = "vllm", sleep_level: int = 1, host_chunk_mb: int = 64,

@@ -45,16 +45,23 @@ def engine_class(kind: str) -> type[RolloutEngine]:
 
 
 def build_engine(
-    kind: str, model_path: str, *, name: str, engine_args: dict[str, Any], weight_backend: str = "object_store"
-) -> RolloutEngine:
+    kind: str, model_path: str, *, name: str, engine_args: dict[str, Any], weight_backend: str = "object_store",
+    tensor_parallel_size: int = 1,
+) -> RolloutEngine:  # fmt: skip
     """Construct an engine of ``kind`` over ``model_path`` that receives weights through
-    ``weight_backend`` (imports the backend lazily)."""
+    ``weight_backend`` and spans ``tensor_parallel_size`` devices (``rollout.tensor_parallel_size``)."""
     cls = engine_class(kind)
     if weight_backend not in cls.weight_backends:
         raise ValueError(
             f"engine kind {kind!r} cannot receive weights through {weight_backend!r}: {cls.weight_backends}"
         )
-    return cls(model_path, name=name, **engine_args, **cls.weight_transfer_args(weight_backend))
+    extra = dict(cls.weight_transfer_args(weight_backend))
+    if tensor_parallel_size > 1:
+        if not cls.tensor_parallel:
+            raise ValueError(f"engine kind {kind!r} has no tensor parallelism (rollout.tensor_parallel_size "
+                             f"{tensor_parallel_size})")  # fmt: skip
+        extra["tensor_parallel_size"] = tensor_parallel_size
+    return cls(model_path, name=name, **engine_args, **extra)
 
 
 class EngineWorker:
@@ -63,7 +70,7 @@ class EngineWorker:
     def __init__(
         self, kind: str, model_path: str, engine_args: dict[str, Any], name: str, num_threads: int,
         weight_backend: str = "object_store", visible_devices: tuple[str, ...] | None = None,
-        weight_format: str = "auto",
+        weight_format: str = "auto", tensor_parallel_size: int = 1,
     ):  # fmt: skip
         if visible_devices is not None:
             # An engine over several GPUs holds the Ray bundle of its first GPU only (the
@@ -73,7 +80,8 @@ class EngineWorker:
         # Before the engine imports anything heavy: one process per engine, so the torch
         # thread count is this actor's CPU share, not the whole machine.
         torch.set_num_threads(max(1, num_threads))
-        self.engine = build_engine(kind, model_path, name=name, engine_args=engine_args, weight_backend=weight_backend)
+        self.engine = build_engine(kind, model_path, name=name, engine_args=engine_args, weight_backend=weight_backend,
+                                   tensor_parallel_size=tensor_parallel_size)  # fmt: skip
         self.engine.set_weight_format(weight_format)
         self.transitions: deque[tuple[float, str]] = deque(maxlen=256)
         """The last (wall time, event) pairs: generate, sleep, wake, sync (begin), commit."""

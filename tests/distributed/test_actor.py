@@ -26,19 +26,15 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from megatron_rl.models.convert import HfToMcoreOptions, McoreToHfOptions, hf_to_mcore, mcore_to_hf
-from tests.helpers.tiny_hf import save_model
+from megatron_rl.models.convert import McoreToHfOptions, mcore_to_hf
+from tests.helpers.actor_job import REPO, run_actor_job
 
-REPO = Path(__file__).resolve().parents[2]
 WORKER = REPO / "tests" / "helpers" / "actor_worker.py"
 VARIANTS = ("qwen2_gqa", "qwen2_tied", "qwen3", "llama")
 LAYOUTS = ("tp1_pp1", "tp2_pp1", "tp1_pp2", "tp2_pp2")
@@ -48,21 +44,7 @@ TOL = 1e-5
 @pytest.fixture(scope="module")
 def job(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("actor")
-    spec = {"variants": {}, "work_dir": str(root / "work")}
-    for seed, variant in enumerate(VARIANTS):
-        hf_dir = save_model(variant, root / variant, seed=seed)
-        mcore_dir = root / f"{variant}_mcore"
-        hf_to_mcore(HfToMcoreOptions(hf_dir=hf_dir, out_dir=mcore_dir))
-        spec["variants"][variant] = {"hf_dir": str(hf_dir), "mcore_dir": str(mcore_dir)}
-    out = root / "out"
-    out.mkdir()
-    (root / "spec.json").write_text(json.dumps(spec))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4",
-           str(WORKER), str(root / "spec.json"), str(out)]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-8000:]
-    reports = [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]
+    reports, spec, out = run_actor_job(WORKER, VARIANTS, root, timeout_s=600)
     print(f"actor worker: {reports[0]['timing_s']}")
     return {"reports": reports, "r0": reports[0], "root": root, "out": out, "spec": spec}
 

@@ -10,19 +10,12 @@ across a resume, and holds no parameter memory between passes when offloaded.
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-from megatron_rl.models.convert import HfToMcoreOptions, hf_to_mcore
-from tests.helpers.tiny_hf import save_model
+from tests.helpers.actor_job import REPO, run_actor_job
 
-REPO = Path(__file__).resolve().parents[2]
 WORKER = REPO / "tests" / "helpers" / "actor_scale_worker.py"
 TOL = 1e-6
 
@@ -30,21 +23,7 @@ TOL = 1e-6
 @pytest.fixture(scope="module")
 def report(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("actor_scale")
-    spec = {"variants": {}, "work_dir": str(root / "work")}
-    for seed, variant in enumerate(("qwen2_gqa", "qwen2_tied")):
-        hf_dir = save_model(variant, root / variant, seed=seed)
-        mcore_dir = root / f"{variant}_mcore"
-        hf_to_mcore(HfToMcoreOptions(hf_dir=hf_dir, out_dir=mcore_dir))
-        spec["variants"][variant] = {"hf_dir": str(hf_dir), "mcore_dir": str(mcore_dir)}
-    out = root / "out"
-    out.mkdir()
-    (root / "spec.json").write_text(json.dumps(spec))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4",
-           str(WORKER), str(root / "spec.json"), str(out)]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-8000:]
-    reports = [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]
+    reports, _, _ = run_actor_job(WORKER, ("qwen2_gqa", "qwen2_tied"), root, timeout_s=900)
     for r in reports[1:]:  # every rank returns the same results
         assert r["fused_vs_logits"] == reports[0]["fused_vs_logits"]
     return reports[0]

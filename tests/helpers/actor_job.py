@@ -1,0 +1,38 @@
+"""One 4-rank torchrun job of an actor test worker over tiny HF models and their Megatron
+conversions (tests/distributed/test_actor.py and test_actor_scale.py share it)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterable
+from pathlib import Path
+
+from megatron_rl.models.convert import HfToMcoreOptions, hf_to_mcore
+from tests.helpers.tiny_hf import save_model
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def run_actor_job(
+    worker: Path, variants: Iterable[str], root: Path, *, timeout_s: int
+) -> tuple[list[dict], dict, Path]:
+    """Save each variant (HF and converted Megatron checkpoint) under ``root``, run ``worker``
+    on 4 ranks; every rank's JSON report (``out/rank{r}.json``), the job's spec and ``out``."""
+    spec = {"variants": {}, "work_dir": str(root / "work")}
+    for seed, variant in enumerate(variants):
+        hf_dir = save_model(variant, root / variant, seed=seed)
+        mcore_dir = root / f"{variant}_mcore"
+        hf_to_mcore(HfToMcoreOptions(hf_dir=hf_dir, out_dir=mcore_dir))
+        spec["variants"][variant] = {"hf_dir": str(hf_dir), "mcore_dir": str(mcore_dir)}
+    out = root / "out"
+    out.mkdir()
+    (root / "spec.json").write_text(json.dumps(spec))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4",
+           str(worker), str(root / "spec.json"), str(out)]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-8000:]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)], spec, out
