@@ -66,6 +66,7 @@ def median_time(fn, repeats: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
+    parser.add_argument("--engines", nargs="+", default=["hf", "vllm"], choices=["hf", "vllm"])
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
 
@@ -90,7 +91,8 @@ def main() -> None:
                 "hf": lambda: HFEngine(tmp, dtype="float32"),
                 "vllm": lambda: VLLMEngine(tmp, dtype="float32", max_model_len=128, kv_cache_memory_bytes=256 << 20),
             }
-            for kind, make in makers.items():
+            for kind in args.engines:
+                make = makers[kind]
                 start = time.perf_counter()
                 engine = make()
                 startup = time.perf_counter() - start

@@ -104,8 +104,9 @@ class WeightSync:
         self.fp8 = rollout.weight_dtype == "fp8"  # projection weights as block-wise FP8 (weight_transfer.fp8)
         self.metas: list[TensorMeta] = actors.weight_metadata(self.dtype, fp8=self.fp8)
         self._group_key: tuple | None = None
-        if transport != "object_store":
-            pool.restorer = self.restore  # the engines keep no host copy: restore from the actor
+        # Collective transports keep no host copy: a restarted engine is restored from the
+        # actor. The object store restores from the pool's kept buckets (no restorer).
+        pool.restorer = self.restore if transport != "object_store" else None
 
     def run(self, version: int) -> dict[str, float]:
         """Sync ``version`` into every live engine (retried once after repairing the engines)."""
@@ -190,5 +191,7 @@ class WeightSync:
         self._group_key = None
 
     def close(self) -> None:
+        if self.pool.restorer == self.restore:
+            self.pool.restorer = None
         if self.transport != "object_store":
             self.actors.close_weight_sender()

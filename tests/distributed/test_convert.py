@@ -66,7 +66,9 @@ def mcore_dirs(hf_dirs, tmp_path_factory) -> dict[tuple[str, int, int], Path]:
             hf_to_mcore(HfToMcoreOptions(hf_dir=hf_dir, out_dir=out[variant, tp, pp], tp=tp, pp=pp))
     # Stored without padding (250 rows): loading at TP=2 (256 rows) exercises allow_shape_mismatch.
     out["qwen3_unpadded"] = root / "qwen3_unpadded"
-    hf_to_mcore(HfToMcoreOptions(hf_dir=hf_dirs["qwen3"], out_dir=out["qwen3_unpadded"], make_vocab_size_divisible_by=1))
+    hf_to_mcore(
+        HfToMcoreOptions(hf_dir=hf_dirs["qwen3"], out_dir=out["qwen3_unpadded"], make_vocab_size_divisible_by=1)
+    )
     return out
 
 
@@ -137,17 +139,38 @@ def test_dist_checkpoint_keys_match_gpt_model(mcore_dirs):
 
 def test_megatron_logits_match_transformers(hf_dirs, mcore_dirs, tmp_path):
     jobs = [
-        {"name": variant, "hf_dir": str(hf_dirs[variant]), "mcore_dir": str(mcore_dirs[variant, 2, 2]), "tp": tp, "pp": pp}
+        {
+            "name": variant,
+            "hf_dir": str(hf_dirs[variant]),
+            "mcore_dir": str(mcore_dirs[variant, 2, 2]),
+            "tp": tp,
+            "pp": pp,
+        }
         for variant in VARIANTS
         for tp, pp in PARALLEL
     ]
     jobs += [
-        {"name": "qwen3_unpadded", "hf_dir": str(hf_dirs["qwen3"]), "mcore_dir": str(mcore_dirs["qwen3_unpadded"]), "tp": tp, "pp": 1}
+        {
+            "name": "qwen3_unpadded",
+            "hf_dir": str(hf_dirs["qwen3"]),
+            "mcore_dir": str(mcore_dirs["qwen3_unpadded"]),
+            "tp": tp,
+            "pp": 1,
+        }
         for tp in (1, 2)
     ]
     (tmp_path / "jobs.json").write_text(json.dumps(jobs))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4",
-           str(WORKER), str(tmp_path / "jobs.json"), str(tmp_path)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "4",
+        str(WORKER),
+        str(tmp_path / "jobs.json"),
+        str(tmp_path),
+    ]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
@@ -335,15 +358,21 @@ def test_mcore_config_mismatch(hf_dirs, mcore_dirs, tmp_path):
     # A tied config for an untied checkpoint: output_layer.weight is unexpected.
     tied = _config_dir(tmp_path, hf_dirs["qwen2_gqa"], "tied", tie_word_embeddings=True)
     with pytest.raises(ConversionError, match="unexpected tensor 'output_layer.weight'"):
-        mcore_to_hf(McoreToHfOptions(mcore_dir=mcore_dirs["qwen2_gqa", 1, 1], out_dir=tmp_path / "a", hf_config_dir=tied))
+        mcore_to_hf(
+            McoreToHfOptions(mcore_dir=mcore_dirs["qwen2_gqa", 1, 1], out_dir=tmp_path / "a", hf_config_dir=tied)
+        )
     # A Qwen3 config of the same size for a Qwen2 checkpoint: the q/k norms are missing.
     as_qwen3 = _config_dir(tmp_path, hf_dirs["qwen2_gqa"], "as_qwen3", model_type="qwen3", head_dim=16)
     with pytest.raises(ConversionError, match="missing tensor 'decoder.layers.self_attention.q_layernorm.weight'"):
-        mcore_to_hf(McoreToHfOptions(mcore_dir=mcore_dirs["qwen2_gqa", 1, 1], out_dir=tmp_path / "b", hf_config_dir=as_qwen3))
+        mcore_to_hf(
+            McoreToHfOptions(mcore_dir=mcore_dirs["qwen2_gqa", 1, 1], out_dir=tmp_path / "b", hf_config_dir=as_qwen3)
+        )
     # More vocabulary rows than the checkpoint stores.
     cfg_dir = _config_dir(tmp_path, hf_dirs["qwen3"], "big_vocab", vocab_size=300)
     with pytest.raises(ConversionError, match="vocab size mismatch"):
-        mcore_to_hf(McoreToHfOptions(mcore_dir=mcore_dirs["qwen3", 1, 1], out_dir=tmp_path / "c", hf_config_dir=cfg_dir))
+        mcore_to_hf(
+            McoreToHfOptions(mcore_dir=mcore_dirs["qwen3", 1, 1], out_dir=tmp_path / "c", hf_config_dir=cfg_dir)
+        )
     # A wrong MLP width: the shape error names the tensor and the file.
     wide = _config_dir(tmp_path, hf_dirs["llama"], "wide", intermediate_size=128)
     with pytest.raises(ConversionError, match=r"'decoder.layers.mlp.linear_fc1.weight' in .*__0_\d+.distcp has shape"):
