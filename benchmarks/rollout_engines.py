@@ -6,7 +6,7 @@ cores, float32, from the same random Qwen2 checkpoint (head size 64, which vLLM'
 attention needs):
 
 - ``small``: hidden 256, 4 layers, FFN 1024, 4/2 heads, vocab 4096 (~5M parameters);
-- ``medium``: hidden 1024, 8 layers, FFN 2816, 16/4 heads, vocab 32000 (~0.2B parameters).
+- ``medium``: hidden 1024, 8 layers, FFN 2816, 16/4 heads, vocab 32000 (156M parameters).
 
 Generation: 16 prompts of 32 tokens x 4 samples x 32 new tokens (no stop tokens: exactly
 2048 generated tokens per call), temperature 1; one warm-up call, then the median of
