@@ -31,7 +31,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 from vllm.distributed.weight_transfer.base import WeightSource as _VLLMWeightSource
 
-from megatron_rl.weight_transfer.gloo import DEFAULT_CHUNK_BYTES, GlooInitInfo, GlooReceiver, WeightSource
+from megatron_rl.weight_transfer.gloo import GlooInitInfo, GlooReceiver, WeightSource
 from megatron_rl.weight_transfer.meta import dtype_of
 
 __all__ = ["GLOO_BACKEND", "GlooWeightTransferEngine", "VLLMSource", "open_sender", "register"]
@@ -41,15 +41,8 @@ GLOO_BACKEND = "megatron_rl_gloo"
 
 
 @dataclass(kw_only=True)
-class _GlooInitInfo(WeightTransferInitInfo):
-    """:class:`~megatron_rl.weight_transfer.gloo.GlooInitInfo`, as vLLM parses it."""
-
-    master_address: str
-    master_port: int
-    world_size: int
-    rank_offset: int = 1
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES
-    timeout_s: float = 600.0
+class _GlooInitInfo(GlooInitInfo, WeightTransferInitInfo):
+    """:class:`~megatron_rl.weight_transfer.gloo.GlooInitInfo` (its fields), as vLLM parses it."""
 
 
 @dataclass
@@ -77,7 +70,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[_GlooInitInfo, _GlooUpdateIn
             self.receiver.shutdown()
         config = self.parallel_config
         worker_rank = config.data_parallel_index * config.world_size + config.rank
-        self.receiver = GlooReceiver(GlooInitInfo(**asdict(init_info)), worker_rank=worker_rank)
+        self.receiver = GlooReceiver(init_info, worker_rank=worker_rank)
 
     def start_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload

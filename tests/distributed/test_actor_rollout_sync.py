@@ -9,7 +9,6 @@ float32 rounding; (3) before the sync they did not (the engine started from othe
 
 import pytest
 import ray
-import torch
 
 from megatron_rl.actor.ray_group import ActorGroup
 from megatron_rl.actor.spec import ActorSpec
@@ -20,24 +19,8 @@ from megatron_rl.placement import GroupPlacement
 from megatron_rl.rollout.base import SamplingParams
 from megatron_rl.rollout.hf_engine import HFEngine
 from megatron_rl.rollout.pool import RolloutPool
-
-HF_CONFIG = dict(
-    model_type="qwen2", architectures=["Qwen2ForCausalLM"], hidden_size=64, intermediate_size=128,
-    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=100,
-    max_position_embeddings=64, rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
-    torch_dtype="float32",
-)  # fmt: skip
-
-
-def _save_hf(directory, state_dict=None, seed=0):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(Qwen2Config(**{k: v for k, v in HF_CONFIG.items() if k != "architectures"}))
-    if state_dict is not None:
-        model.load_state_dict(state_dict, strict=True)
-    model.save_pretrained(str(directory))
-    return directory
+from tests.helpers.rollout_models import ACTOR_HF_CONFIG as HF_CONFIG
+from tests.helpers.rollout_models import save_actor_hf
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +37,7 @@ def test_sync_from_tp2_actor_gives_the_engine_the_actor_weights(tmp_path, ray_se
         trainer=TrainerConfig(seed=7),
     )
     actors = ActorGroup(spec)
-    pool = RolloutPool(RolloutConfig(), str(_save_hf(tmp_path / "other", seed=123)),
+    pool = RolloutPool(RolloutConfig(), str(save_actor_hf(tmp_path / "other", seed=123)),
                        placement=GroupPlacement.uniform(1, num_cpus=0.5))  # fmt: skip
     try:
         prompts = [[1, 2, 3, 4], [5, 6, 7], [8, 9]]
@@ -77,7 +60,7 @@ def test_sync_from_tp2_actor_gives_the_engine_the_actor_weights(tmp_path, ray_se
         assert after["rollout/logp_mismatch/max_abs"] < 1e-5
         assert all(c.weight_version == 1 for group in synced for c in group)
 
-        fresh = HFEngine(_save_hf(tmp_path / "actor", state_dict=actors.hf_state_dict()))
+        fresh = HFEngine(save_actor_hf(tmp_path / "actor", state_dict=actors.hf_state_dict()))
         want = fresh.generate(prompts, params)
         for got_group, want_group in zip(synced, want):
             for got, ref_c in zip(got_group, want_group):

@@ -19,24 +19,11 @@ from megatron_rl.rollout import RolloutPool  # noqa: E402
 from megatron_rl.weight_buckets import make_buckets  # noqa: E402
 from megatron_rl.weight_sync import WeightSync  # noqa: E402
 from megatron_rl.weight_transfer.meta import TensorMeta  # noqa: E402
+from tests.helpers.rollout_models import ACTOR_HF_CONFIG as HF_CONFIG  # noqa: E402
+from tests.helpers.rollout_models import save_actor_hf  # noqa: E402
 
-HF_CONFIG = dict(
-    model_type="qwen2", architectures=["Qwen2ForCausalLM"], hidden_size=64, intermediate_size=128,
-    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=100,
-    max_position_embeddings=64, rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
-    torch_dtype="float32",
-)  # fmt: skip
 LAYOUTS = {"tp1": (1, 1), "tp2": (2, 1), "pp2": (1, 2)}
 TRANSPORTS = {"object_store": "object_store", "collective": "gloo"}
-
-
-def _save_hf(directory, seed):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(seed)
-    Qwen2ForCausalLM(Qwen2Config(**{k: v for k, v in HF_CONFIG.items() if k != "architectures"})).save_pretrained(
-        str(directory))  # fmt: skip
-    return directory
 
 
 def _digests(state):
@@ -46,7 +33,7 @@ def _digests(state):
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
     root = tmp_path_factory.mktemp("weight_transport")
-    other = _save_hf(root / "other", seed=123)
+    other = save_actor_hf(root / "other", seed=123)
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     config = RolloutConfig(
         engine="tests.helpers.rollout_engines:FaultOnSyncEngine", engine_args={"arm_file": str(root / "arm")},

@@ -99,3 +99,25 @@ def reference_logprobs(model, prompt: Sequence[int], completion: Sequence[int], 
     step_logits = logits[start : start + len(completion)]
     logp = torch.log_softmax(step_logits / (temperature if temperature > 0 else 1.0), dim=-1)
     return logp.gather(-1, torch.tensor(list(completion))[:, None]).squeeze(-1)
+
+
+# An architecture for actor -> engine sync tests (``ActorSpec.architecture``): untied, so
+# the LM head travels as a tensor of its own.
+ACTOR_HF_CONFIG = dict(
+    model_type="qwen2", architectures=["Qwen2ForCausalLM"], hidden_size=64, intermediate_size=128,
+    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=100,
+    max_position_embeddings=64, rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
+    torch_dtype="float32",
+)  # fmt: skip
+
+
+def save_actor_hf(directory: Path, *, seed: int = 0, state_dict: dict[str, torch.Tensor] | None = None) -> Path:
+    """Save an :data:`ACTOR_HF_CONFIG` model (HF's init at ``seed``, or ``state_dict``) to ``directory``."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(Qwen2Config(**{k: v for k, v in ACTOR_HF_CONFIG.items() if k != "architectures"}))
+    if state_dict is not None:
+        model.load_state_dict(state_dict, strict=True)
+    model.save_pretrained(str(directory))
+    return Path(directory)
