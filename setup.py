@@ -1,8 +1,10 @@
 """Packaging for megatron_rl.
 
 torch is pinned exactly: any range that admits a newer release lets pip resolve a
-CUDA build with several GB of NVIDIA packages on a CPU machine, and megatron-core
-0.16 is only tested here against 2.13.0.
+CUDA build with several GB of NVIDIA packages on a CPU machine. megatron-core 0.16.1
+through 0.19.x are supported (CI runs the CPU tiers against 0.16.1 and 0.19.2; API
+differences live in ``megatron_rl/mcore_compat.py``); pip on CPython 3.11 resolves 0.16.1,
+since 0.17+ declare Python >= 3.12.
 """
 
 from pathlib import Path
@@ -15,7 +17,7 @@ HERE = Path(__file__).parent
 # docs/benchmarks.md). Upper bounds stop a silent major-version drift.
 INSTALL_REQUIRES = [
     "torch==2.13.0",
-    "megatron-core>=0.16.1,<0.17",
+    "megatron-core>=0.16.1,<0.20",
     "psutil>=5.9",  # megatron dist-checkpointing needs it but does not declare it
     "numpy>=1.26",
     "ray>=2.60,<2.61",

@@ -5,9 +5,12 @@ stage, the bytes of: parameters, gradients (megatron DDP's float32 buffer), opti
 state (Adam moments and float32 master weights, sharded over DP by the distributed
 optimizer), activations saved by one micro-batch (x the micro-batches in flight in the
 1F1B pipeline schedule), the loss buffers (materialised logits and their gradient, or
-the fused lm-head's chunk workspace), the optimizer step's temporaries, the reference
+the fused lm-head's chunk workspace), the backward pass's largest weight gradient before
+it joins the float32 buffer, the optimizer step's temporaries, the reference
 policy (resident, or nothing outside its pass when offloaded), and the colocated
-rollout engines' share during generation. The total is compared with the GPU memory;
+rollout engines' share during generation. The training peak is the resident state plus
+the larger of the forward-backward's transients and the optimizer step's (never live
+together). The total is compared with the GPU memory;
 ``plan`` exits 1 when it does not fit.
 
 Activation bytes follow what megatron-core saves for backward (Korthikanti et al. 2022,
@@ -42,6 +45,9 @@ from megatron_rl.ops.vocab_parallel import DEFAULT_CHUNK_BYTES, LINEAR_CHUNK_BYT
 __all__ = ["Architecture", "MemoryPlan", "plan_memory"]
 
 GIB = 1 << 30
+# Components live only during the forward-backward pass (the rest is resident, except the
+# optimizer step's temporaries, which live only during the step).
+_FORWARD_BACKWARD = ("activations", "loss_buffers", "backward_temporaries")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -103,7 +109,13 @@ class MemoryPlan:
 
     @property
     def training_bytes(self) -> int:
-        return sum(self.components.values())
+        """The training peak: the resident state plus the larger of the two phases'
+        transients, which are never live together (the forward-backward's activations,
+        loss buffers and weight-gradient temporaries are freed before the optimizer step)."""
+        c = self.components
+        resident = sum(v for k, v in c.items() if k not in _FORWARD_BACKWARD and k != "optimizer_step_temporaries")
+        forward_backward = sum(c.get(k, 0) for k in _FORWARD_BACKWARD)
+        return resident + max(forward_backward, c.get("optimizer_step_temporaries", 0))
 
     @property
     def total_bytes(self) -> int:
@@ -230,6 +242,13 @@ def plan_memory(
         else:
             c["loss_buffers"] = 0
         resident_ref = with_reference and not actor.reference_offload
+        # The backward pass materialises each weight's gradient (parameter dtype) before
+        # megatron's DDP hook adds it into the float32 buffer; the largest, the embedding or
+        # output layer (V/TP x H), bounds what is live at once.
+        largest = vocab_rows * arch.hidden_size if stage in (0, pp - 1) else (
+            arch.hidden_size * max(arch.ffn_hidden_size * 2, (arch.num_attention_heads + 2 * arch.num_query_groups)
+                                   * arch.head_dim) // tp)  # fmt: skip
+        c["backward_temporaries"] = largest * a
         c["reference_policy"] = params * a if resident_ref else 0
         engines = _colocated_engine_bytes(rollout, gpu_memory_bytes, use_cuda=use_te or gpu_memory_bytes is not None)
         if rollout.placement == "colocated":  # the trainer offloads all but the weights while engines generate

@@ -54,7 +54,8 @@ def run(args: argparse.Namespace) -> int:
         )
         for name, value in plan.components.items():
             print(f"  {name:<28}{_fmt(value)}")
-        print(f"  {'training total':<28}{_fmt(plan.training_bytes)}")
+        # not the sum: the forward-backward's transients and the optimizer step's never coexist
+        print(f"  {'training peak':<28}{_fmt(plan.training_bytes)}  (resident + the larger phase's transients)")
         print(f"  {'generation total':<28}{_fmt(plan.generation_bytes)}")
         if gpu is not None:
             verdict = "fits" if plan.fits else "does NOT fit"
