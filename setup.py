@@ -36,10 +36,15 @@ INSTALL_REQUIRES = [
 ]
 
 EXTRAS_REQUIRE = {
-    # CUDA machines only: neither has a CPU wheel (vLLM on CPU: tools/install_vllm_cpu.sh).
+    # CUDA 13 machines, CPython 3.12 (megatron-core 0.17+ need it): install with
+    # `-c requirements/gpu-constraints.txt`, the known-good set tools/lock_gpu_constraints.py
+    # resolves and CI re-checks (docs/install.md). vLLM on CPU: tools/install_vllm_cpu.sh.
     "gpu": [
-        "transformer-engine[pytorch]>=2.8",
         "vllm>=0.32,<0.33",  # requires torch==2.13.0, the pin above
+        # transformer_engine_torch (the pytorch extra) is an sdist built against the
+        # installed torch: pip install --no-build-isolation on a machine with the CUDA toolkit
+        "transformer-engine[core_cu13,pytorch]>=2.20,<2.21",
+        "megatron-core>=0.19.2,<0.20",
     ],
     "test": [
         "pytest>=8",

@@ -1,4 +1,4 @@
-"""Test tiers by marker: ``unit``, ``distributed``, ``vllm``, ``gpu``, ``slurm``, ``e2e``.
+"""Test tiers by marker: ``unit``, ``distributed``, ``vllm``, ``gpu``, ``slurm``, ``e2e``, ``install``.
 
 A test file's directory gives its default tier (``tests/unit`` -> ``unit``, ...), so
 every test carries exactly one tier marker. ``gpu`` tests are skipped, with the reason
@@ -14,7 +14,7 @@ import os
 import pytest
 import torch
 
-_TIERS = ("unit", "distributed", "vllm", "gpu", "slurm", "e2e")
+_TIERS = ("unit", "distributed", "vllm", "gpu", "slurm", "e2e", "install")
 
 
 def vllm_missing_reason() -> str | None:
