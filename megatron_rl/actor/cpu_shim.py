@@ -1,4 +1,4 @@
-"""Run megatron-core 0.16 on a CPU-only torch build (gloo backend).
+"""Run megatron-core (0.16.1-0.19) on a CPU-only torch build (gloo backend).
 
 This is the only module in megatron_rl that patches anything. megatron-core assumes
 CUDA in a handful of places even when every tensor lives on the CPU; on a CPU build
@@ -19,6 +19,9 @@ replaces exactly these entry points, and nothing in Megatron's model code:
     it, so dropout forks would silently share one stream.
   * ``torch.cuda.Event`` becomes a wall-clock stand-in (timing in the inference
     controller); the original raises when instantiated.
+  * plus the stand-ins that only some megatron-core releases need, from
+    ``megatron_rl.mcore_compat.cpu_cuda_stubs()`` (0.19+: ``torch.cuda.current_stream``,
+    which DDP's gradient sync calls on every step).
 
 ``cuda_to_cpu()`` (a context manager, scoped): a ``TorchFunctionMode`` that rewrites
 ``device="cuda"`` in factory calls, makes ``Tensor.cuda()`` / ``Tensor.to("cuda")``
@@ -112,6 +115,11 @@ def apply() -> bool:
 
     megatron_random._get_cuda_rng_state = get_rng_state
     megatron_random._set_cuda_rng_state = set_rng_state
+
+    from megatron_rl import mcore_compat
+
+    for name, stub in mcore_compat.cpu_cuda_stubs().items():
+        setattr(torch.cuda, name, stub)
     _applied = True
     return True
 

@@ -1,0 +1,94 @@
+#!/usr/bin/env bash
+# Run the unit and distributed test tiers against another megatron-core release.
+#
+#   bash tools/ci_mcore_matrix.sh [VERSION]        (default 0.19.2)
+#
+# `pip install -e ".[test]"` resolves megatron-core 0.16.1 (setup.py admits
+# >=0.16.1,<0.20). This script checks a newer release without touching that environment:
+# a venv made with --system-site-packages from the running python ($PYTHON, default
+# `python`) reuses its packages (the CPU torch, Ray, transformers, the editable
+# megatron_rl, ...), and megatron-core VERSION installed into the venv alone shadows the
+# 0.16.1 of the base environment (the venv's site-packages come first on sys.path). The
+# script checks that `import megatron.core` loads VERSION from the venv and fails if not.
+#
+# megatron-core 0.17+ declares Requires-Python >=3.12, but its code runs on 3.11, and
+# 3.11 is the Python with a CPU build of torch 2.13 here (the cp312 torch on PyPI is the
+# multi-GB CUDA build): the install uses --ignore-requires-python, so on CPython 3.11
+# this checks code that upstream declares for 3.12+ only.
+# megatron-core 0.18+ also needs Triton to import, which it does not declare and the CPU
+# torch does not bring (megatron_rl.mcore_compat.extra_requirements): installed into the
+# venv unless the base python has it (vLLM's CPU build brings one, which is then kept).
+#
+# The venv lives in .venv-mcore-VERSION/ (ignored by git through its own .gitignore;
+# MCORE_MATRIX_VENV overrides the place) and is rebuilt on every run.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+version="${1:-0.19.2}"
+base_python="${PYTHON:-python}"
+venv="${MCORE_MATRIX_VENV:-.venv-mcore-$version}"
+
+if ! [[ "$version" =~ ^[0-9]+\.[0-9]+\.[0-9]+([a-z]+[0-9]+)?$ ]]; then
+    echo "ci_mcore_matrix: '$version' is not a megatron-core version (e.g. 0.19.2)" >&2
+    exit 2
+fi
+
+start=$(date +%s)
+echo "== megatron-core matrix: $version; base python: $("$base_python" --version 2>&1) ($(command -v "$base_python"))"
+"$base_python" -c "import torch, megatron_rl; print('== base torch', torch.__version__)"
+
+"$base_python" -m venv --system-site-packages --clear "$venv"
+printf '*\n' > "$venv/.gitignore"
+py="$venv/bin/python"
+
+"$py" -m pip install --quiet --no-deps --ignore-requires-python "megatron-core==$version"
+
+# Undeclared requirements of this release that the base python lacks.
+missing=$("$py" -c '
+import importlib.util, re, sys
+from megatron_rl.mcore_compat import extra_requirements
+for req in extra_requirements(sys.argv[1]):
+    if importlib.util.find_spec(re.split(r"[=<>!~ ]", req)[0]) is None:
+        print(req)
+' "$version")
+if [[ -n "$missing" ]]; then
+    echo "== megatron-core $version needs, undeclared and missing here: $missing"
+    # shellcheck disable=SC2086  # one requirement per word
+    "$py" -m pip install --quiet --no-deps $missing
+fi
+
+# Fail loudly unless the venv's python imports exactly the requested megatron-core from the venv.
+"$py" - "$version" "$venv" <<'EOF'
+import importlib
+import os
+import re
+import sys
+import warnings
+
+warnings.simplefilter("ignore")
+import megatron.core
+import torch
+from packaging.version import Version
+
+from megatron_rl import mcore_compat
+
+want, venv = sys.argv[1], os.path.realpath(sys.argv[2])
+got, where = megatron.core.__version__, os.path.realpath(megatron.core.__file__)
+extras = [importlib.import_module(re.split(r"[=<>!~ ]", r)[0]) for r in mcore_compat.extra_requirements(want)]
+print(
+    f"== megatron-core {got} from {where}; torch {torch.__version__}; python {sys.version.split()[0]}"
+    + "".join(f"; {m.__name__} {m.__version__}" for m in extras)
+)
+# The wheels report a local version too (0.19.2+922e9b0): the public part must match.
+if Version(got).public != Version(want).public or not where.startswith(venv + os.sep):
+    sys.exit(f"ci_mcore_matrix: wanted megatron-core {want} from {venv}, got {got} from {where}")
+if not mcore_compat.is_supported():
+    sys.exit(f"ci_mcore_matrix: megatron-core {got} is outside megatron_rl's range {mcore_compat.SUPPORTED}")
+EOF
+
+# The venv's bin/ first on PATH too, so that nothing a test starts by name falls back to
+# the base python (and its megatron-core).
+status=0
+PATH="$(cd "$venv" && pwd)/bin:$PATH" "$py" -m pytest -m "unit or distributed" -p no:cacheprovider || status=$?
+echo "== megatron-core $version: unit + distributed tiers exited $status in $(( $(date +%s) - start )) s"
+exit "$status"
