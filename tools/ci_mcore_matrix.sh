@@ -5,11 +5,12 @@
 #
 # `pip install -e ".[test]"` resolves megatron-core 0.16.1 (setup.py admits
 # >=0.16.1,<0.20). This script checks a newer release without touching that environment:
-# a venv made with --system-site-packages from the running python ($PYTHON, default
-# `python`) reuses its packages (the CPU torch, Ray, transformers, the editable
-# megatron_rl, ...), and megatron-core VERSION installed into the venv alone shadows the
-# 0.16.1 of the base environment (the venv's site-packages come first on sys.path). The
-# script checks that `import megatron.core` loads VERSION from the venv and fails if not.
+# megatron-core VERSION is installed with `pip install --target` into its own folder,
+# which PYTHONPATH puts ahead of the running python's site-packages ($PYTHON, default
+# `python`; a venv or not), so every package but megatron-core is the environment's own
+# (the CPU torch, Ray, transformers, the editable megatron_rl) and every process the tests
+# start (torchrun ranks, Ray workers) inherits the shadowing. The script checks that
+# `import megatron.core` loads VERSION from that folder and fails if not.
 #
 # megatron-core 0.17+ declares Requires-Python >=3.12, but its code runs on 3.11, and
 # 3.11 is the Python with a CPU build of torch 2.13 here (the cp312 torch on PyPI is the
@@ -17,16 +18,16 @@
 # this checks code that upstream declares for 3.12+ only.
 # megatron-core 0.18+ also needs Triton to import, which it does not declare and the CPU
 # torch does not bring (megatron_rl.mcore_compat.extra_requirements): installed into the
-# venv unless the base python has it (vLLM's CPU build brings one, which is then kept).
+# folder unless the python has it (vLLM's CPU build brings one, which is then kept).
 #
-# The venv lives in .venv-mcore-VERSION/ (ignored by git through its own .gitignore;
-# MCORE_MATRIX_VENV overrides the place) and is rebuilt on every run.
+# The folder is .mcore-VERSION/ (ignored by git through its own .gitignore;
+# MCORE_MATRIX_DIR overrides the place) and is rebuilt on every run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 version="${1:-0.19.2}"
 base_python="${PYTHON:-python}"
-venv="${MCORE_MATRIX_VENV:-.venv-mcore-$version}"
+target="${MCORE_MATRIX_DIR:-.mcore-$version}"
 
 if ! [[ "$version" =~ ^[0-9]+\.[0-9]+\.[0-9]+([a-z]+[0-9]+)?$ ]]; then
     echo "ci_mcore_matrix: '$version' is not a megatron-core version (e.g. 0.19.2)" >&2
@@ -37,11 +38,14 @@ start=$(date +%s)
 echo "== megatron-core matrix: $version; base python: $("$base_python" --version 2>&1) ($(command -v "$base_python"))"
 "$base_python" -c "import torch, megatron_rl; print('== base torch', torch.__version__)"
 
-"$base_python" -m venv --system-site-packages --clear "$venv"
-printf '*\n' > "$venv/.gitignore"
-py="$venv/bin/python"
+rm -rf "$target"
+mkdir -p "$target"
+printf '*\n' > "$target/.gitignore"
+target="$(cd "$target" && pwd)"
+py="$base_python"
+export PYTHONPATH="$target${PYTHONPATH:+:$PYTHONPATH}"
 
-"$py" -m pip install --quiet --no-deps --ignore-requires-python "megatron-core==$version"
+"$py" -m pip install --quiet --no-deps --ignore-requires-python --target "$target" "megatron-core==$version"
 
 # Undeclared requirements of this release that the base python lacks.
 missing=$("$py" -c '
@@ -54,11 +58,11 @@ for req in extra_requirements(sys.argv[1]):
 if [[ -n "$missing" ]]; then
     echo "== megatron-core $version needs, undeclared and missing here: $missing"
     # shellcheck disable=SC2086  # one requirement per word
-    "$py" -m pip install --quiet --no-deps $missing
+    "$py" -m pip install --quiet --no-deps --target "$target" $missing
 fi
 
-# Fail loudly unless the venv's python imports exactly the requested megatron-core from the venv.
-"$py" - "$version" "$venv" <<'EOF'
+# Fail loudly unless python imports exactly the requested megatron-core from the folder.
+"$py" - "$version" "$target" <<'EOF'
 import importlib
 import os
 import re
@@ -86,9 +90,7 @@ if not mcore_compat.is_supported():
     sys.exit(f"ci_mcore_matrix: megatron-core {got} is outside megatron_rl's range {mcore_compat.SUPPORTED}")
 EOF
 
-# The venv's bin/ first on PATH too, so that nothing a test starts by name falls back to
-# the base python (and its megatron-core).
 status=0
-PATH="$(cd "$venv" && pwd)/bin:$PATH" "$py" -m pytest -m "unit or distributed" -p no:cacheprovider || status=$?
+"$py" -m pytest -m "unit or distributed" -p no:cacheprovider || status=$?
 echo "== megatron-core $version: unit + distributed tiers exited $status in $(( $(date +%s) - start )) s"
 exit "$status"
