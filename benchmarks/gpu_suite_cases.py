@@ -82,22 +82,16 @@ def case_loss(suite: Suite) -> None:
         floor_bytes = num_tokens * vocab * (elt + elt)  # read logits once + write the gradient once
         results = {}
         for name, fn in (("fused", fused), ("megatron_ce+entropy", megatron)):
-            try:
-                if not checked:  # one agreement check at the first size: losses and gradients
+            def agreement(name=name, fn=fn):  # one check at the first size: losses and gradients
+                if not checked:
                     reset()
                     results[name] = (float(fn()), logits.grad.float().clone())
-                reset()
-                base = suite.reset_peak()
-                times = suite.timed(fn, reset=reset)
-                peak = suite.peak_since(base)
-            except Exception as exc:  # noqa: BLE001
-                if not _is_oom(exc):
-                    raise
-                reset()
-                suite.free()
-                suite.emit("loss", f"{name} T={num_tokens}", "oom", method=name, tokens=num_tokens, vocab=vocab,
-                           error=f"{type(exc).__name__}: {str(exc)[:300]}", table={"time": "OOM"})  # fmt: skip
+
+            measured = suite.measure("loss", f"{name} T={num_tokens}", fn, reset=reset, before=agreement,
+                                     method=name, tokens=num_tokens, vocab=vocab)  # fmt: skip
+            if measured is None:
                 continue
+            times, peak = measured
             t = _median(times)
             floor_s = floor_bytes / bw
             suite.emit(
@@ -171,19 +165,11 @@ def case_linear(suite: Suite) -> None:
 
         for name, fn, flops in (("fused_linear", fused_linear, 8.0 * num_tokens * hidden_size * vocab),
                                 ("unfused (hidden @ W^T, fused loss)", unfused, useful)):  # fmt: skip
-            try:
-                reset()
-                base = suite.reset_peak()
-                times = suite.timed(fn, reset=reset)
-                peak = suite.peak_since(base)
-            except Exception as exc:  # noqa: BLE001
-                if not _is_oom(exc):
-                    raise
-                reset()
-                suite.free()
-                suite.emit("linear", f"{name} T={num_tokens}", "oom", method=name, tokens=num_tokens,
-                           error=f"{type(exc).__name__}: {str(exc)[:300]}", table={"time": "OOM"})  # fmt: skip
+            measured = suite.measure("linear", f"{name} T={num_tokens}", fn, reset=reset, method=name,
+                                     tokens=num_tokens)  # fmt: skip
+            if measured is None:
                 continue
+            times, peak = measured
             t = _median(times)
             logits_bytes = num_tokens * vocab * torch.finfo(dt).bits // 8
             suite.emit(

@@ -170,6 +170,25 @@ class Suite:
 
         return torch.cuda.max_memory_allocated(self.device) - base
 
+    def measure(self, case: str, variant: str, fn, *, reset, before=None, **fields):
+        """``(times, peak)`` of ``fn`` (``timed`` after ``reset``; ``before()`` runs first,
+        e.g. a one-off check); on out-of-memory, an ``oom`` line with ``fields`` and None."""
+        try:
+            if before is not None:
+                before()
+            reset()
+            base = self.reset_peak()
+            times = self.timed(fn, reset=reset)
+            return times, self.peak_since(base)
+        except Exception as exc:  # noqa: BLE001
+            if not _is_oom(exc):
+                raise
+            reset()
+            self.free()
+            self.emit(case, variant, "oom", **fields, error=f"{type(exc).__name__}: {str(exc)[:300]}",
+                      table={"time": "OOM"})  # fmt: skip
+            return None
+
     def free(self) -> None:
         gc.collect()
         if self.cuda:
