@@ -266,14 +266,8 @@ def case_actor(suite: Suite) -> None:
                 def step(metrics=metrics):
                     metrics.update(actor.train_step(batch))
 
-                times = []
-                for i in range(1 + s.actor_steps):  # the first step allocates Adam's state: warm-up
-                    suite.sync()
-                    t0 = time.perf_counter()
-                    step()
-                    suite.sync()
-                    if i:
-                        times.append(time.perf_counter() - t0)
+                # the first step allocates Adam's state: warm-up
+                times = suite.timed(step, warmup=1, repeats=s.actor_steps)
                 peak = suite.peak_since(base)
                 break
             except Exception as exc:  # noqa: BLE001
@@ -341,14 +335,7 @@ def case_engine(suite: Suite) -> None:
             counts.append(sum(len(c.token_ids) for grp in engine.generate(prompts, params) for c in grp))
 
         base = suite.reset_peak()
-        times = []
-        for i in range(1 + max(1, s.repeats // 2)):  # warm-up, then timed calls
-            suite.sync()
-            t1 = time.perf_counter()
-            call()
-            suite.sync()
-            if i:
-                times.append(time.perf_counter() - t1)
+        times = suite.timed(call, warmup=1, repeats=max(1, s.repeats // 2))
         peak = suite.peak_since(base)
     finally:
         engine.shutdown()
