@@ -91,12 +91,7 @@ if not mcore_compat.is_supported():
 EOF
 
 status=0
-# Deselected here (it runs in the main tiers): the kill-mid-sync recovery of the collective
-# transport races Ray's actor restart under load (the retry can reach the engine while Ray
-# still reports it restarting); it exercises Ray and gloo, not megatron-core. Known bug,
-# to be fixed in the repair path (docs/reliability.md).
 "$py" -m pytest -m "unit or distributed" -p no:cacheprovider \
-    --deselect "tests/distributed/test_weight_transport.py::test_engine_killed_mid_sync_leaves_the_pool_consistent[collective]" \
     || status=$?
 echo "== megatron-core $version: unit + distributed tiers exited $status in $(( $(date +%s) - start )) s"
 exit "$status"

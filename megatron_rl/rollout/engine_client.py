@@ -47,8 +47,12 @@ def actor_errors() -> tuple[type[BaseException], ...]:
     return (rex.RayActorError, rex.WorkerCrashedError)
 
 
-def wait_until_back(actor: Any, name: str, *, timeout_s: float) -> dict[str, Any]:
+def wait_until_back(actor: Any, name: str, *, timeout_s: float, replaces_pid: int | None = None) -> dict[str, Any]:
     """Wait until a restarting engine actor answers; its health report.
+
+    ``replaces_pid``: the process the restart replaces (known when the caller killed it).
+    ``ray.kill`` is asynchronous, so a call made right after it can still be answered by
+    the dying process; only an answer from another process means the engine is back.
 
     Raises :class:`RolloutEngineError` when it is out of restarts or not back in ``timeout_s``.
     """
@@ -58,7 +62,10 @@ def wait_until_back(actor: Any, name: str, *, timeout_s: float) -> dict[str, Any
     died = 0
     while time.monotonic() < deadline:
         try:
-            return ray.get(actor.health.remote(), timeout=max(1.0, deadline - time.monotonic()))
+            health = ray.get(actor.health.remote(), timeout=max(1.0, deadline - time.monotonic()))
+            if replaces_pid is None or health.get("pid") != replaces_pid:
+                return health
+            time.sleep(0.2)  # the old process answered: the kill has not landed yet
         except ray.exceptions.ActorDiedError as exc:
             # Unavailable = restarting; Died on a fresh call = out of restarts (checked a
             # few times: the error of a call racing the restart can also read "died").

@@ -337,14 +337,15 @@ class RolloutPool:
                 + "; ".join(self._dead.values())
             ) from exc
 
-    def _recover(self, engine: int, *, restore: bool = True) -> None:
-        """Wait until a restarted engine answers, then restore the pool's weights (unless
-        ``restore`` is false: a sync is about to bring every engine to a new version) and
-        its sleep state."""
+    def _recover(self, engine: int, *, restore: bool = True, replaces_pid: int | None = None) -> None:
+        """Wait until a restarted engine answers (from a process other than ``replaces_pid``),
+        then restore the pool's weights (unless ``restore`` is false: a sync is about to
+        bring every engine to a new version) and its sleep state."""
         import ray
 
         name, actor = self.engine_names[engine], self.actors[engine]
-        health = wait_until_back(actor, name, timeout_s=self.config.pool.restart_timeout_s)
+        timeout_s = self.config.pool.restart_timeout_s
+        health = wait_until_back(actor, name, timeout_s=timeout_s, replaces_pid=replaces_pid)
         self.restarts += 1
         try:
             if restore and health["weight_version"] != self._version:
@@ -518,11 +519,15 @@ class RolloutPool:
             raise
         self.commit_update(version, targets)
 
-    def _recover_all(self, engines: Iterable[int], *, restore: bool = True) -> None:
-        """Bring dead-then-restarted ``engines`` back (or give them up, naming why)."""
+    def _recover_all(
+        self, engines: Iterable[int], *, restore: bool = True, killed_pids: dict[int, int] | None = None
+    ) -> None:
+        """Bring dead-then-restarted ``engines`` back (or give them up, naming why);
+        ``killed_pids``: the processes :meth:`restart` killed, by engine."""
+        killed_pids = killed_pids or {}
         for engine in sorted(engines):
             try:
-                self._recover(engine, restore=restore)
+                self._recover(engine, restore=restore, replaces_pid=killed_pids.get(engine))
             except RolloutEngineError as exc:
                 self._dead[engine] = str(exc)
                 logger.error("%s", exc)
@@ -536,9 +541,19 @@ class RolloutPool:
         import ray
 
         engines = [e for e in engines if e not in self._dead]
+        killed_pids = {}
         for engine in engines:
+            # Kill the process that answers (then wait for another pid: the kill is
+            # asynchronous) or hangs; one that died already is restarting, and killing it
+            # again could kill its successor after that successor had answered.
+            try:
+                killed_pids[engine] = ray.get(self.actors[engine].health.remote(), timeout=5.0)["pid"]
+            except ray.exceptions.RayActorError:
+                continue
+            except ray.exceptions.GetTimeoutError:
+                pass
             ray.kill(self.actors[engine], no_restart=False)
-        self._recover_all(engines, restore=restore)
+        self._recover_all(engines, restore=restore, killed_pids=killed_pids)
 
     # ------------------------------------------------------------------ lifecycle
 

@@ -144,6 +144,19 @@ def test_engine_restarted_between_calls_gets_current_weights(pool, ckpts):
     assert after["rollout-0"] == before["rollout-0"]
 
 
+def test_restart_returns_once_every_new_process_answers_with_current_weights(pool):
+    # ray.kill is asynchronous: the dying process can still answer a call made right after
+    # it. restart() returns only when a new process answers, restored to the pool's version,
+    # so calls made right after it (a sync's retry) reach the new processes.
+    before = {h["engine"]: h["pid"] for h in pool.health()}
+    pool.restart([0, 1])
+    health = pool.health()
+    assert all(h["ok"] and h["weight_version"] == pool.weight_version == 1 for h in health), health
+    assert all(h["pid"] != before[h["engine"]] for h in health), (before, health)
+    pool.generate(PROMPTS, PARAMS)
+    assert pool.last_stats["rollout/num_retries"] == 0
+
+
 def test_sleep_and_wake(pool):
     pool.sleep()
     assert all(h["sleeping"] for h in pool.health())
