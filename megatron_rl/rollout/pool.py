@@ -549,6 +549,7 @@ class RolloutPool:
             try:
                 killed_pids[engine] = ray.get(self.actors[engine].health.remote(), timeout=5.0)["pid"]
             except ray.exceptions.RayActorError:
+                logger.info("%s is already restarting; waiting for it", self.engine_names[engine])
                 continue
             except ray.exceptions.GetTimeoutError:
                 pass
