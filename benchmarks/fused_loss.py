@@ -16,8 +16,16 @@ multiple of the rank's logits shard, and the median fwd+bwd seconds over --repea
 after one warm-up (the baseline RSS is taken after the warm-up, with gradients freed).
 Prints one JSON line per case.
 
+``--baseline DIR`` compares this checkout with another one (e.g. ``git worktree add
+/tmp/fused_old HEAD``): each case runs ``--rounds`` times per version, alternating
+baseline and current, each run a fresh process of this script with ``megatron_rl``
+imported from that version's checkout (PYTHONPATH; the record's ``"megatron_rl"`` says
+which). Records carry ``"impl"``; a ``"summary"`` line per case gives the median of the
+runs' medians and the fastest step per version, and current / baseline of each.
+
     python benchmarks/fused_loss.py                          # the default grid
     python benchmarks/fused_loss.py --methods fused --tokens 1024 --tp 2
+    python benchmarks/fused_loss.py --methods fused --tokens 1024 --tp 1 --baseline /tmp/fused_old --rounds 3
 """
 
 from __future__ import annotations
@@ -37,6 +45,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 VOCAB = 151_936  # Qwen2.5
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 METHODS = ("naive", "megatron", "fused", "fused_linear")
 
 
@@ -86,7 +95,8 @@ def _rank(rank, world, port, args, queue):
     cfg = _config()
     gen = torch.Generator().manual_seed(1234)  # same targets etc. on every rank
     targets = torch.randint(0, VOCAB, (num_tokens,), generator=gen)
-    mask = torch.ones(num_tokens, dtype=torch.bool)
+    # all True by default; its own generator keeps the other inputs as without masking
+    mask = torch.rand(num_tokens, generator=torch.Generator().manual_seed(99)) >= args.masked_fraction
     old_logp = -torch.rand(num_tokens, generator=gen) * 12
     ref_logp = old_logp + 0.1 * torch.randn(num_tokens, generator=gen)
     adv = torch.randn(num_tokens, generator=gen)
@@ -162,6 +172,8 @@ def _rank(rank, world, port, args, queue):
 
 def run_case(args) -> dict:
     """One case, all TP ranks, in this (fresh) process; returns the JSON record."""
+    import megatron_rl
+
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
     with socket.socket() as s:
@@ -184,9 +196,13 @@ def run_case(args) -> dict:
         "peak_extra_bytes_per_rank": [r["peak_extra_bytes"] for r in ranks],
         "peak_extra_x_shard": round(worst / shard, 3),
         "fwd_bwd_s_median": round(med, 4),
+        "fwd_bwd_s_min": round(statistics.median(min(r["times_s"]) for r in ranks), 4),
         "repeats": args.repeats,
         "threads_per_rank": max(1, (os.cpu_count() or 1) // args.tp),
         "device": "cpu",
+        "masked_fraction": args.masked_fraction,
+        "chunk_tokens": args.chunk_tokens,
+        "megatron_rl": os.path.dirname(os.path.abspath(megatron_rl.__file__)),
     }
 
 
@@ -198,6 +214,12 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=256, help="hidden size for fused_linear")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--chunk-tokens", type=int, default=None)
+    parser.add_argument(
+        "--masked-fraction", type=float, default=0.0,
+        help="fraction of tokens masked out (at random; their logit-gradient rows are zeroed)",
+    )  # fmt: skip
+    parser.add_argument("--baseline", default=None, help="another checkout to compare with, run interleaved")
+    parser.add_argument("--rounds", type=int, default=1, help="runs per case and version (with --baseline)")
     parser.add_argument(
         "--max-case-bytes", type=float, default=18e9,
         help="skip a case whose estimated memory (all ranks) exceeds this; it is reported as skipped",
@@ -228,18 +250,55 @@ def main() -> None:
                 cmd = [
                     sys.executable, __file__, "--case", "--method", method, "--tokens", str(tokens),
                     "--tp", str(tp), "--hidden", str(args.hidden), "--repeats", str(args.repeats),
+                    "--masked-fraction", str(args.masked_fraction),
                 ]  # fmt: skip
                 if args.chunk_tokens:
                     cmd += ["--chunk-tokens", str(args.chunk_tokens)]
-                proc = subprocess.run(cmd, capture_output=True, text=True)
-                lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-                if proc.returncode != 0 or not lines:
+                if args.baseline is None:
+                    _run(cmd, None)
+                    continue
+                medians: dict[str, list[float]] = {"baseline": [], "current": []}
+                mins: dict[str, list[float]] = {"baseline": [], "current": []}
+                for _ in range(args.rounds):
+                    for impl, root in (("baseline", args.baseline), ("current", REPO_ROOT)):
+                        record = _run(cmd, root, impl)
+                        if "fwd_bwd_s_median" in record:
+                            medians[impl].append(record["fwd_bwd_s_median"])
+                            mins[impl].append(record["fwd_bwd_s_min"])
+                if all(medians.values()):
+                    base, cur = (statistics.median(medians[k]) for k in ("baseline", "current"))
+                    base_min, cur_min = (min(mins[k]) for k in ("baseline", "current"))
+                    # On a shared machine the fastest step is the least disturbed one.
                     print(json.dumps({
-                        "bench": "fused_loss", "method": method, "tokens": tokens, "tp": tp,
-                        "error": (proc.stderr.strip().splitlines() or ["?"])[-1],
+                        "bench": "fused_loss", "summary": True, "method": method, "tokens": tokens, "tp": tp,
+                        "masked_fraction": args.masked_fraction, "baseline": args.baseline,
+                        "baseline_s": medians["baseline"], "current_s": medians["current"],
+                        "baseline_median_s": base, "current_median_s": cur, "current_over_baseline": round(cur / base, 3),
+                        "baseline_min_s": base_min, "current_min_s": cur_min,
+                        "current_over_baseline_min": round(cur_min / base_min, 3),
                     }), flush=True)  # fmt: skip
-                else:
-                    print(lines[-1], flush=True)
+
+
+def _run(cmd: list[str], root: str | None, impl: str | None = None) -> dict:
+    """Run one case in a fresh process (with ``megatron_rl`` imported from the checkout
+    ``root`` when given: the same script, another implementation); print and return its
+    record."""
+    env = dict(os.environ)
+    if root is not None:
+        env["PYTHONPATH"] = os.path.abspath(root) + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        record = {
+            "bench": "fused_loss", "method": cmd[cmd.index("--method") + 1], "tokens": int(cmd[cmd.index("--tokens") + 1]),
+            "tp": int(cmd[cmd.index("--tp") + 1]), "error": (proc.stderr.strip().splitlines() or ["?"])[-1],
+        }  # fmt: skip
+    else:
+        record = json.loads(lines[-1])
+    if impl is not None:
+        record["impl"] = impl
+    print(json.dumps(record), flush=True)
+    return record
 
 
 if __name__ == "__main__":

@@ -40,7 +40,7 @@ from megatron_rl.config.parallel import ParallelConfig
 from megatron_rl.config.rollout import RolloutConfig
 from megatron_rl.config.trainer import ActorConfig, TrainerConfig
 from megatron_rl.configlib import ConfigError
-from megatron_rl.ops.vocab_parallel import DEFAULT_CHUNK_BYTES, LINEAR_CHUNK_BYTES
+from megatron_rl.ops.vocab_parallel import chunk_budget_bytes
 
 __all__ = ["Architecture", "MemoryPlan", "plan_memory"]
 
@@ -231,7 +231,7 @@ def plan_memory(
             if actor.logits_chunk_tokens is not None:
                 chunk = actor.logits_chunk_tokens * vocab_rows * 4
             else:
-                budget = LINEAR_CHUNK_BYTES["cuda" if use_te else "cpu"] if actor.loss_impl == "fused_linear" else DEFAULT_CHUNK_BYTES
+                budget = chunk_budget_bytes("cuda" if use_te else "cpu", linear=actor.loss_impl == "fused_linear")
                 chunk = min(budget, tokens * vocab_rows * 4)
             if actor.loss_impl == "fused_linear":
                 # gathered hidden states, their float32 gradient, and a chunk's logits, softmax and gradient

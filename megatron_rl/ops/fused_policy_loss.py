@@ -38,6 +38,8 @@ from megatron_rl.ops.vocab_parallel import (
     SoftmaxStats,
     VocabShard,
     chunk_rows,
+    chunk_slices,
+    invalid_rows_per_chunk,
     linear_chunk_rows,
     logit_grad_chunk,
     softmax_stats,
@@ -59,9 +61,9 @@ class VocabParallelOptions:
     """True global vocabulary size; columns beyond it are TP padding (``None``: no padding)."""
 
     chunk_tokens: int | None = None
-    """Tokens processed per chunk (``None``: about 4 MiB of float32 logits per chunk over
-    materialised logits; 64 MiB on CPU, 256 MiB on CUDA in the fused lm-head mode; see
-    ``vocab_parallel``)."""
+    """Tokens processed per chunk (``None``: by a float32 byte budget per device type: over
+    materialised logits 4 MiB on CPU, 256 MiB on CUDA; in the fused lm-head mode 64 MiB on
+    CPU, 256 MiB on CUDA; see ``vocab_parallel.chunk_budget_bytes``)."""
 
     token_grad_norms: bool = False
     """Also compute each token's ``||dL/dlogits_t||`` (of the loss SUM, whole vocabulary) into
@@ -165,7 +167,7 @@ def _workspace(
     shard = VocabShard.of(vocab_local, options.tp_group, options.vocab_size)
     if shard.num_valid == 0:
         return None
-    rows = chunk_rows(num_tokens, vocab_local, options.chunk_tokens)
+    rows = chunk_rows(num_tokens, vocab_local, options.chunk_tokens, device)
     return ChunkWorkspace(rows, shard.num_valid, compute_dtype(dtype), device)
 
 
@@ -337,15 +339,17 @@ def _grad_chunks(chunk_logits, stats, inputs: LossInputs, g_logp, g_ent, vocab_l
     The gradient is ``[n, V_valid]`` in the compute dtype (written into ``out[sl, :V_valid]``
     when ``out`` is given), with masked-out rows zeroed; ``None`` on a padding-only rank.
     Each yielded tensor is only valid until the next one (it may live in ``ws``).
+
+    The loop does not synchronise with the device: which chunks hold masked-out tokens is
+    found once, before it (:func:`invalid_rows_per_chunk`).
     """
     shard = VocabShard.of(vocab_local, options.tp_group, options.vocab_size)
     targets = inputs.targets.reshape(-1).long()
     valid = inputs.mask.reshape(-1).bool()
     num_tokens = targets.shape[0]
-    rows = chunk_rows(num_tokens, vocab_local, options.chunk_tokens)
     if shard.num_valid == 0:
-        for begin in range(0, num_tokens, rows):
-            yield slice(begin, min(begin + rows, num_tokens)), None
+        for sl in chunk_slices(num_tokens, chunk_rows(num_tokens, vocab_local, options.chunk_tokens, targets.device)):
+            yield sl, None
         if options.token_grad_norms:  # still take part in the all-reduce
             _finish_grad_norms(stats, torch.zeros(num_tokens, dtype=stats.logp.dtype, device=targets.device), options)
         return
@@ -361,15 +365,15 @@ def _grad_chunks(chunk_logits, stats, inputs: LossInputs, g_logp, g_ent, vocab_l
     sq_norm = (
         torch.zeros(num_tokens, dtype=stats.logp.dtype, device=targets.device) if options.token_grad_norms else None
     )
-    for begin in range(0, num_tokens, rows):
-        sl = slice(begin, min(begin + rows, num_tokens))
+    slices = chunk_slices(num_tokens, ws.rows)  # the workspace's rows are the chunk size
+    invalid_rows = invalid_rows_per_chunk(valid, ws.rows)  # one host read, not one per chunk
+    for sl, invalid in zip(slices, invalid_rows, strict=True):
         g = logit_grad_chunk(
             chunk_logits(sl)[:, : shard.num_valid], sl, stats, tgt_local, owned_grad, row_scale, row_shift,
             inv_t=inv_t, workspace=ws, out=None if out is None else out[sl, : shard.num_valid],
         )  # fmt: skip
-        invalid = ~valid[sl]
-        if bool(invalid.any()):  # assignment, not multiplication: padding rows may hold NaN
-            g[invalid] = 0
+        if invalid is not None:  # assignment, not multiplication: padding rows may hold NaN
+            g.index_fill_(0, invalid, 0)  # only those rows (a boolean-mask assignment would sync on CUDA)
         if sq_norm is not None:
             sq_norm[sl] = torch.linalg.vecdot(g, g)
         yield sl, g

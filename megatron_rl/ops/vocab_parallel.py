@@ -33,10 +33,26 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-DEFAULT_CHUNK_BYTES = 4 * 2**20
-"""Default float32 footprint of one chunk of logits; see :func:`chunk_rows`. Small enough
-that a chunk and its two work buffers stay in the last-level cache, so the several
-elementwise passes per chunk cost one read of the logits from memory, not several."""
+CHUNK_BYTES = {"cuda": 256 * 2**20, "cpu": 4 * 2**20}
+"""Default float32 footprint of one chunk of materialised logits, per device type (one
+budget per chunk; the op holds two such work buffers). See :func:`chunk_budget_bytes`.
+
+- CPU, 4 MiB: small enough that a chunk and its two work buffers stay in the last-level
+  cache, so the several elementwise passes per chunk cost one read of the logits from
+  memory, not several (27 tokens at V/TP = 38k).
+- CUDA, 256 MiB: a GPU has no such cache to fit (50 MiB of L2 on an H100) but pays a
+  kernel launch (~5 us of host time) per elementwise pass and per chunk. At 4 MiB a pass
+  takes ~2.5 us of device time at the H100's ~3.35 TB/s, so the op would be launch-bound
+  (and idle between chunks); at 256 MiB a read+write pass takes ~160 us, so the ~10
+  launches of a chunk are hidden behind the previous chunk's kernels and larger chunks
+  gain at most a few per cent. 256 MiB is 441 tokens at V/TP = 151,936 and 1,766 at
+  37,984: enough rows to fill every SM in the row reductions. The workspace stays bounded
+  whatever the token count: 2 x 256 MiB, under 1 % of an 80 GB GPU.
+"""
+
+DEFAULT_CHUNK_BYTES = CHUNK_BYTES["cpu"]
+"""The CPU budget of :data:`CHUNK_BYTES` (kept for callers that predate per-device
+budgets); :func:`chunk_budget_bytes` gives the budget of any device."""
 
 
 LINEAR_CHUNK_BYTES = {"cuda": 256 * 2**20, "cpu": 64 * 2**20}
@@ -51,10 +67,25 @@ keeps the chunk buffers small (tested: 110-token chunks cost about as much time 
 materialising the logits)."""
 
 
+def _device_kind(device: torch.device | str) -> str:
+    """``"cuda"`` for CUDA devices, ``"cpu"`` for everything else."""
+    return "cuda" if torch.device(device).type == "cuda" else "cpu"
+
+
+def chunk_budget_bytes(device: torch.device | str = "cpu", *, linear: bool = False) -> int:
+    """Float32 bytes of one chunk of logits on ``device`` (``"cuda"``/``"cpu"`` or a torch
+    device): :data:`LINEAR_CHUNK_BYTES` in the fused lm-head mode (``linear``), else
+    :data:`CHUNK_BYTES`. The op and the memory planner both size chunks with it."""
+    return (LINEAR_CHUNK_BYTES if linear else CHUNK_BYTES)[_device_kind(device)]
+
+
+def _rows_for(budget: int, num_tokens: int, vocab_local: int) -> int:
+    return max(1, min(max(num_tokens, 1), budget // (4 * max(vocab_local, 1))))
+
+
 def linear_chunk_rows(num_tokens: int, vocab_local: int, device: torch.device | str = "cpu") -> int:
     """Tokens per chunk of the fused lm-head mode: as many as fit :data:`LINEAR_CHUNK_BYTES`."""
-    budget = LINEAR_CHUNK_BYTES["cuda" if torch.device(device).type == "cuda" else "cpu"]
-    return max(1, min(max(num_tokens, 1), budget // (4 * max(vocab_local, 1))))
+    return _rows_for(chunk_budget_bytes(device, linear=True), num_tokens, vocab_local)
 
 
 def tp_rank_and_size(tp_group: dist.ProcessGroup | None) -> tuple[int, int]:
@@ -64,13 +95,44 @@ def tp_rank_and_size(tp_group: dist.ProcessGroup | None) -> tuple[int, int]:
     return dist.get_rank(tp_group), dist.get_world_size(tp_group)
 
 
-def chunk_rows(num_tokens: int, vocab_local: int, chunk_tokens: int | None) -> int:
-    """Tokens per chunk: ``chunk_tokens``, or as many as fit :data:`DEFAULT_CHUNK_BYTES` in float32."""
+def chunk_rows(num_tokens: int, vocab_local: int, chunk_tokens: int | None, device: torch.device | str = "cpu") -> int:
+    """Tokens per chunk: ``chunk_tokens``, or as many as fit the device's
+    :data:`CHUNK_BYTES` budget in float32."""
     if chunk_tokens is not None:
         if chunk_tokens < 1:
             raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
         return chunk_tokens
-    return max(1, min(max(num_tokens, 1), DEFAULT_CHUNK_BYTES // (4 * max(vocab_local, 1))))
+    return _rows_for(chunk_budget_bytes(device), num_tokens, vocab_local)
+
+
+def chunk_slices(num_tokens: int, rows: int) -> list[slice]:
+    """The token slices of consecutive chunks of ``rows`` tokens (the last may be shorter)."""
+    return [slice(b, min(b + rows, num_tokens)) for b in range(0, num_tokens, rows)]
+
+
+def invalid_rows_per_chunk(valid: torch.Tensor, rows: int) -> list[torch.Tensor | None]:
+    """For each chunk of ``rows`` tokens, the chunk-local row indices of its masked-out
+    tokens (``None`` where it has none), to zero those gradient rows with ``index_fill_``.
+
+    One device-to-host read per call (the per-chunk counts); the indices themselves stay on
+    the device (``nonzero_static`` of the now known size does not synchronise), so the
+    chunk loops branch on host ints instead of synchronising once per chunk.
+    """
+    num_tokens = valid.shape[0]
+    num_chunks = -(-num_tokens // rows)
+    invalid = torch.zeros(num_chunks * rows, dtype=torch.bool, device=valid.device)
+    torch.logical_not(valid, out=invalid[:num_tokens])
+    counts = invalid.view(num_chunks, rows).sum(dim=1).tolist()
+    total = sum(counts)
+    if total == 0:
+        return [None] * num_chunks
+    local = torch.nonzero_static(invalid, size=total).squeeze(1) % rows  # ascending: chunk by chunk
+    out: list[torch.Tensor | None] = []
+    begin = 0
+    for count in counts:
+        out.append(local[begin : begin + count] if count else None)
+        begin += count
+    return out
 
 
 @dataclass
@@ -124,6 +186,7 @@ class ChunkWorkspace:
     """
 
     def __init__(self, rows: int, width: int, dtype: torch.dtype, device: torch.device):
+        self.rows = rows
         self.a = torch.empty(rows, width, dtype=dtype, device=device)
         self.b = torch.empty(rows, width, dtype=dtype, device=device)
 
@@ -142,7 +205,11 @@ class ChunkWorkspace:
 
 
 def check_targets(targets: torch.Tensor, valid: torch.Tensor, vocab_size: int) -> None:
-    """Raise ``ValueError`` naming the first valid position whose target id is out of range."""
+    """Raise ``ValueError`` naming the first valid position whose target id is out of range.
+
+    Once per call, before any chunk loop: its one device-to-host read is the op's only
+    synchronisation besides :func:`invalid_rows_per_chunk` (none happens per chunk).
+    """
     bad = valid & ((targets < 0) | (targets >= vocab_size))
     if bool(bad.any()):
         pos = int(torch.nonzero(bad)[0, 0])
@@ -177,7 +244,8 @@ def softmax_stats(
         tp_group: the tensor-parallel group (one all-gather of ``[T, 4]`` on it);
             ``None`` for no tensor parallelism.
         vocab_size: true global vocabulary size (columns beyond it are padding).
-        chunk_tokens: tokens per chunk (``None``: by :data:`DEFAULT_CHUNK_BYTES`).
+        chunk_tokens: tokens per chunk (``None``: by the device's :data:`CHUNK_BYTES`;
+            ignored when ``workspace`` is given, whose row count is the chunk size).
         compute_dtype: float32 (default), or float64 for float64 logits.
         workspace: buffers to reuse (e.g. across the stats and gradient passes).
 
@@ -191,15 +259,16 @@ def softmax_stats(
     local = torch.zeros(num_tokens, 4, dtype=compute_dtype, device=device)  # m, S, B, t
     local_target = targets - shard.start
     owned = valid & (local_target >= 0) & (local_target < shard.num_valid)
-    rows = chunk_rows(num_tokens, vocab_local, chunk_tokens)
+    # A given workspace fixes the chunk size (its buffers are that many rows).
+    rows = workspace.rows if workspace is not None else chunk_rows(num_tokens, vocab_local, chunk_tokens, device)
     inv_t = 1.0 / temperature
     if shard.num_valid == 0:  # a rank holding padding only takes no part in the softmax
         local[:, 0] = float("-inf")
     else:
         ws = workspace or ChunkWorkspace(rows, shard.num_valid, compute_dtype, device)
         tgt_all = local_target.clamp(0, shard.num_valid - 1)[:, None]
-        for begin in range(0, num_tokens, rows):
-            sl = slice(begin, min(begin + rows, num_tokens))
+        # No host synchronisation in this loop: everything stays on the device.
+        for sl in chunk_slices(num_tokens, rows):
             z = ws.scaled_logits(chunk_logits(sl)[:, : shard.num_valid], inv_t)
             m = z.amax(dim=-1)
             local[sl, 0] = m
