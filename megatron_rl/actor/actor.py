@@ -96,6 +96,8 @@ class MegatronActor(PolicyModel):
         """Updates skipped for a non-finite loss or gradient norm."""
         self.last_token_grad_norms: torch.Tensor | None = None
         """``[N, L]`` per-token logit-gradient norms of the last ``train_step(token_grad_norms=True)``."""
+        self.last_train_logp: torch.Tensor | None = None
+        """``[N, L]`` old (= current) log-probs of the last ``train_step(on_policy=True)``."""
         self._train_state_offloaded = False
 
     @property
@@ -111,10 +113,12 @@ class MegatronActor(PolicyModel):
         results = self._forward_logprobs(microbatches, self.spec.temperature)
         if not self.groups.is_last_stage:
             return {}
+        # An on-policy step has no old_logp yet: the pre-pass runs the old policy's weights.
         parts = [
-            PrepassTokens(logp=logp, entropy=entropy, old_logp=mb.old_logp, advantages=mb.advantages, mask=mb.loss_mask)
+            PrepassTokens(logp=logp, entropy=entropy, old_logp=logp if mb.old_logp is None else mb.old_logp,
+                          advantages=mb.advantages, mask=mb.loss_mask)
             for mb, (logp, entropy) in zip(microbatches, results)
-        ]
+        ]  # fmt: skip
         return prepass_statistics(algorithm, phase, parts, group=self.groups.dp)
 
     def train_step(
@@ -124,6 +128,7 @@ class MegatronActor(PolicyModel):
         phase: str | None = None,
         token_grad_norms: bool = False,
         algorithm: AlgorithmConfig | None = None,
+        on_policy: bool = False,
     ) -> dict[str, float]:
         """One optimizer step on the mini-batch ``batch``; returns metrics (same on every rank).
 
@@ -132,6 +137,12 @@ class MegatronActor(PolicyModel):
         model). With ``token_grad_norms``, :attr:`last_token_grad_norms` afterwards holds
         ``[N, L]`` (input-aligned, every rank) the norm of each token's loss-SUM gradient
         w.r.t. its logits row, for the token-probability diagnostics.
+
+        ``on_policy``: the weights are still the old policy's (no optimizer step since the
+        rollout's weights), so ``batch.old_logp`` is ignored and the old log-probs are this
+        forward's own, detached (ratio exactly 1); :attr:`last_train_logp` afterwards holds
+        them, ``[N, L]`` input-aligned on every rank (response tokens; 0 elsewhere). Refused
+        when a method reads the old log-probs before the forward (``old_logp_before_forward``).
 
         Applies the methods' advantage reweighting to ``batch.advantages`` (from
         ``old_logp``), runs the pre-pass when a method needs one, then megatron's
@@ -150,15 +161,18 @@ class MegatronActor(PolicyModel):
         if self._train_state_offloaded:
             raise RuntimeError("train_step while the train state is offloaded: call onload_train_state() first")
         algorithm = algorithm or self.algorithm
-        batch.require_training_fields(algorithm.needs_ref_logp)
+        batch.require_training_fields(algorithm.needs_ref_logp, need_old=not on_policy)
         start = time.perf_counter()
         local = batch.select(self._local_rows(batch.num_sequences))
+        if on_policy:
+            local = replace(local, old_logp=None)
         advantages, reweight_metrics = prepare_advantages(local.advantages, local.old_logp, local.loss_mask, algorithm)
         local = replace(local, advantages=advantages)
         microbatches = self._microbatches(local)
         prepass = self._prepass(microbatches, algorithm, phase) if needs_prepass(algorithm) else None
         options = replace(self._vocab_options(self.spec.temperature), token_grad_norms=token_grad_norms)
         norms: list[list[torch.Tensor]] = []
+        train_logp: list[list[torch.Tensor]] = []
 
         def loss_func(mb: MicroBatch, output: torch.Tensor):
             inputs = LossInputs(
@@ -170,9 +184,12 @@ class MegatronActor(PolicyModel):
                 phase=phase,
                 prepass=prepass,
             )
-            out, _, token_norms = self.token_loss(mb, output, inputs, algorithm, options)
+            out, stats, token_norms = self.token_loss(mb, output, inputs, algorithm, options)
             if token_norms is not None:
                 norms.append([token_norms])
+            if on_policy:
+                logp = self.token_values(mb, stats.logp).detach()
+                train_logp.append([torch.where(mb.loss_mask.bool(), logp, torch.zeros_like(logp))])
             # clone: megatron may scale the returned loss in place.
             report = {"loss": torch.stack([out.loss_sum.detach().clone().double(), out.count.double()]), **out.metrics}
             return out.loss_sum, out.count.round().to(torch.int), report
@@ -212,10 +229,14 @@ class MegatronActor(PolicyModel):
             "timing_s/train_optimizer": time.perf_counter() - opt_start,
         }
         metrics.update(finalize_metrics(merged))
+        n, length = batch.input_ids.shape
         if token_grad_norms:
-            n, length = batch.input_ids.shape
             self.last_token_grad_norms = gather_token_values(
                 self.groups, n, length, local.num_sequences, microbatches, norms
+            )[0].cpu()
+        if on_policy:
+            self.last_train_logp = gather_token_values(
+                self.groups, n, length, local.num_sequences, microbatches, train_logp
             )[0].cpu()
         return metrics
 

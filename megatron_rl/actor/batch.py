@@ -104,9 +104,10 @@ class ActorBatch:
         index = torch.as_tensor(rows, dtype=torch.long)
         return replace(self, **{f.name: _index(getattr(self, f.name), index) for f in fields(self)})
 
-    def require_training_fields(self, need_ref: bool) -> None:
+    def require_training_fields(self, need_ref: bool, *, need_old: bool = True) -> None:
         """Raise naming the first missing field ``train_step`` needs."""
-        for name in ("loss_mask", "old_logp", "advantages") + (("ref_logp",) if need_ref else ()):
+        names = ("loss_mask",) + (("old_logp",) if need_old else ()) + ("advantages",)
+        for name in names + (("ref_logp",) if need_ref else ()):
             if getattr(self, name) is None:
                 raise ValueError(f"train_step needs batch.{name}")
 

@@ -201,7 +201,7 @@ class PolicyModel:
         count in ``finalize_model_grads``) during forward."""
         if not self.fused_linear:
             out, stats = fused_policy_loss(output, inputs, algorithm, options)
-            norms = stats.logit_grad_norm.reshape(mb.targets.shape) if options.token_grad_norms else None
+            norms = self.token_values(mb, stats.logit_grad_norm) if options.token_grad_norms else None
             return out, stats, norms
         b, s = mb.targets.shape
         # The op works in megatron's [s, b] layout; sequence ids keep seq-mean aggregation per row.
@@ -211,8 +211,14 @@ class PolicyModel:
         weight = output_weight(self.model)
         main_grad = getattr(weight, "main_grad", None) if torch.is_grad_enabled() else None
         out, stats = fused_linear_policy_loss(output, weight, inputs_sb, algorithm, options, weight_main_grad=main_grad)
-        norms = stats.logit_grad_norm.reshape(s, b).t() if options.token_grad_norms else None
+        norms = self.token_values(mb, stats.logit_grad_norm) if options.token_grad_norms else None
         return out, stats, norms
+
+    def token_values(self, mb: MicroBatch, values: torch.Tensor) -> torch.Tensor:
+        """One value per token of the loss's flat ``[T]`` (``SoftmaxStats``: log-probs,
+        norms) as ``[b, s]``: the fused lm-head works in megatron's ``[s, b]`` order."""
+        b, s = mb.targets.shape
+        return values.reshape(s, b).t() if self.fused_linear else values.reshape(b, s)
 
     def _forward_logprobs(self, microbatches: list[MicroBatch], temperature: float) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Forward-only log-probs and entropies per micro-batch, target-aligned ``[b, s]``

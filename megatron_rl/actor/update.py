@@ -6,9 +6,13 @@ then does on each rank, collectively:
 
 1. the old policy's log-probs at the rollout temperature (the PPO ratio's denominator,
    and what the token-weight methods read), and the reference policy's when the loss
-   has a KL term;
+   has a KL term. With ``actor.old_logp_source: auto`` (:func:`old_logp_from_train_forward`)
+   the first optimizer step's mini-batch takes them from its own train forward, whose
+   weights are the old policy's, and only the other rows get a forward-only pass here;
 2. the engine/actor log-prob mismatch metrics and, with ``rollout.tis_cap``, the
-   truncated importance weights (``algo.mismatch``), multiplied into the advantages once;
+   truncated importance weights (``algo.mismatch``), multiplied into the advantages once
+   (after the first optimizer step when its old log-probs come from its forward: the
+   metrics only; TIS needs them before and turns the fast path off);
 3. the update: for each phase of ``algo.update_phases`` (one, or Lopti's low then high
    pass), ``trainer.num_epochs_per_step`` epochs, each split into
    ``trainer.num_minibatches_per_step`` mini-batches in a seeded order
@@ -17,8 +21,9 @@ then does on each rank, collectively:
    norms of the first pass and epoch, and the log-probs after the update).
 
 It never names a method: phases, pre-passes and weights come from the ``algo`` registry.
-Metrics are means over the optimizer steps, except ``actor/step_skipped`` (a count) and
-``actor/updates``.
+Metrics are means over the optimizer steps, except ``actor/step_skipped`` (a count),
+``actor/updates`` and ``actor/old_logp_from_forward_frac`` (the share of rows whose old
+log-probs came from the first optimizer step's forward rather than a separate pass).
 """
 
 from __future__ import annotations
@@ -35,11 +40,12 @@ import torch
 from megatron_rl.actor.actor import MegatronActor
 from megatron_rl.actor.batch import ActorBatch
 from megatron_rl.actor.reference import ReferencePolicy
-from megatron_rl.algo import logprob_mismatch, update_phases
+from megatron_rl.actor.spec import ActorSpec
+from megatron_rl.algo import logprob_mismatch, old_logp_before_forward, update_phases
 from megatron_rl.observability.diagnostics import token_probability_diagnostics
 from megatron_rl.seeding import minibatch_seed
 
-__all__ = ["minibatch_rows", "timed", "update_policy"]
+__all__ = ["minibatch_rows", "old_logp_from_train_forward", "timed", "update_policy"]
 
 
 @contextmanager
@@ -63,6 +69,28 @@ def minibatch_rows(num_rows: int, num_minibatches: int, *, seed: int) -> list[to
     return [torch.tensor(sorted(order[k * size : (k + 1) * size])) for k in range(num_minibatches)]
 
 
+def old_logp_from_train_forward(spec: ActorSpec) -> bool:
+    """Whether the first optimizer step of an RL step takes its mini-batch's old log-probs
+    from its own train forward (``actor.old_logp_source: auto``, and nothing reads them
+    before that forward: no Advantage Reweighting, no ``rollout.tis_cap``)."""
+    return (
+        spec.actor.old_logp_source == "auto"
+        and spec.rollout.tis_cap is None
+        and not old_logp_before_forward(spec.algorithm)
+    )
+
+
+def _schedule(spec: ActorSpec, num_rows: int, step: int) -> list[tuple[str | None, torch.Tensor]]:
+    """Every optimizer step of RL step ``step`` in order: ``(phase, rows)``."""
+    trainer = spec.trainer
+    out = []
+    for p, phase in enumerate(update_phases(spec.algorithm)):
+        for epoch in range(trainer.num_epochs_per_step):
+            seed = minibatch_seed(trainer.seed, step, p, epoch)
+            out += [(phase, rows) for rows in minibatch_rows(num_rows, trainer.num_minibatches_per_step, seed=seed)]
+    return out
+
+
 def update_policy(
     actor: MegatronActor, reference: ReferencePolicy | None, batch: ActorBatch, *, step: int, token_stats: bool = False
 ) -> dict[str, float]:
@@ -82,47 +110,60 @@ def update_policy(
     spec = actor.spec
     timings: dict[str, float] = {}
     metrics: dict[str, float] = {}
+    schedule = _schedule(spec, batch.num_sequences, step)
+    from_forward = old_logp_from_train_forward(spec)
     with timed(timings, "logprobs"):
-        old = actor.compute_logprobs(batch)
+        if from_forward:  # only the rows the first optimizer step does not train on
+            rest = sorted(set(range(batch.num_sequences)) - set(schedule[0][1].tolist()))
+            old_logp = torch.zeros(batch.input_ids.shape, dtype=torch.float32)
+            if rest:
+                old_logp[rest] = actor.compute_logprobs(batch.select(rest)).logp
+        else:
+            old_logp = actor.compute_logprobs(batch).logp
         ref_logp = None
         if spec.with_reference:
             if reference is None:
                 raise RuntimeError("the loss has a KL term but this actor rank holds no reference policy")
             ref_logp = reference.compute_logprobs(batch).logp
         advantages = batch.advantages
-        if batch.engine_logp is not None:
-            mismatch = logprob_mismatch(batch.engine_logp, old.logp, batch.loss_mask, tis_cap=spec.rollout.tis_cap)
+        if batch.engine_logp is not None and not from_forward:
+            mismatch = logprob_mismatch(batch.engine_logp, old_logp, batch.loss_mask, tis_cap=spec.rollout.tis_cap)
             metrics.update(mismatch.metrics)
             if mismatch.tis_weights is not None:
                 advantages = advantages * mismatch.tis_weights
-        batch = replace(batch, old_logp=old.logp, ref_logp=ref_logp, advantages=advantages)
+        batch = replace(batch, old_logp=old_logp, ref_logp=ref_logp, advantages=advantages)
 
-    trainer = spec.trainer
     sums: dict[str, float] = defaultdict(float)
     updates = 0
     grad_norms = torch.zeros(batch.input_ids.shape, dtype=torch.float32)
     with timed(timings, "train"):
-        for p, phase in enumerate(update_phases(actor.algorithm)):
-            for epoch in range(trainer.num_epochs_per_step):
-                seed = minibatch_seed(trainer.seed, step, p, epoch)
-                for rows in minibatch_rows(batch.num_sequences, trainer.num_minibatches_per_step, seed=seed):
-                    want_norms = token_stats and p == 0 and epoch == 0
-                    m = actor.train_step(batch.select(rows), phase=phase, token_grad_norms=want_norms)
-                    if want_norms:
-                        grad_norms[rows] = actor.last_token_grad_norms
-                    for k, v in m.items():
-                        sums[k] += v
-                    updates += 1
+        for k, (phase, rows) in enumerate(schedule):
+            want_norms = token_stats and k < spec.trainer.num_minibatches_per_step  # first pass, first epoch
+            on_policy = from_forward and k == 0
+            m = actor.train_step(batch.select(rows), phase=phase, token_grad_norms=want_norms, on_policy=on_policy)
+            if want_norms:
+                grad_norms[rows] = actor.last_token_grad_norms
+            if on_policy:
+                batch.old_logp[rows] = actor.last_train_logp
+                if batch.engine_logp is not None:  # metrics only: TIS turns this path off
+                    mismatch = logprob_mismatch(batch.engine_logp, batch.old_logp, batch.loss_mask, tis_cap=None)
+                    metrics.update(mismatch.metrics)
+            for key, v in m.items():
+                sums[key] += v
+            updates += 1
     skipped = sums.get("actor/step_skipped", 0.0)
     metrics.update({k: v / updates for k, v in sums.items()})
     metrics["actor/step_skipped"] = skipped
     metrics["actor/updates"] = float(updates)
+    metrics["actor/old_logp_from_forward_frac"] = len(schedule[0][1]) / batch.num_sequences if from_forward else 0.0
 
     if token_stats:
         with timed(timings, "diagnostics"):
             new = actor.compute_logprobs(batch)
             metrics.update(
-                token_probability_diagnostics(old.logp, batch.loss_mask, logit_grad_norm=grad_norms, new_logp=new.logp)
+                token_probability_diagnostics(
+                    batch.old_logp, batch.loss_mask, logit_grad_norm=grad_norms, new_logp=new.logp
+                )
             )
     metrics.update({f"timing_s/{k}": v for k, v in timings.items()})
     metrics["throughput/train_tokens_per_s"] = float(batch.attention_mask.sum()) / max(timings["train"], 1e-9)

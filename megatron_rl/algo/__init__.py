@@ -28,6 +28,7 @@ from megatron_rl.algo.methods import (
     PrepassTokens,
     TokenWeightMethod,
     needs_prepass,
+    old_logp_before_forward,
     prepass_statistics,
     update_phases,
 )
@@ -74,6 +75,7 @@ __all__ = [
     "lopti_split",
     "merge_metrics",
     "needs_prepass",
+    "old_logp_before_forward",
     "ppo_clip_loss",
     "prepare_advantages",
     "prepass_statistics",

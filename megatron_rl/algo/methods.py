@@ -133,6 +133,11 @@ class TokenWeightMethod:
         """Once per RL step, before any update."""
         return advantages, {}
 
+    def reads_old_logp_before_forward(self, config: AlgorithmConfig) -> bool:
+        """Whether the method reads the old log-probs before the train forward runs (so the
+        first update cannot take them from that forward; see :func:`old_logp_before_forward`)."""
+        return False
+
     def needs_prepass(self, config: AlgorithmConfig) -> bool:
         return False
 
@@ -171,6 +176,9 @@ class AdvantageReweighting(TokenWeightMethod):
 
     def enabled(self, config: AlgorithmConfig) -> bool:
         return config.ar.enabled
+
+    def reads_old_logp_before_forward(self, config: AlgorithmConfig) -> bool:
+        return True  # the advantages are reweighted before the loss runs
 
     def reweight_advantages(self, advantages, old_logp, valid, config):
         adv, weight = advantage_reweight(advantages, old_logp, valid, config.ar.alpha)
@@ -285,6 +293,14 @@ def check_phase(config: AlgorithmConfig, phase: str | None) -> None:
         f"algorithm.{owner.name} is enabled: every update runs in one of its phases {list(phases)} "
         f"({owner.name}_phase); got phase={phase!r}"
     )
+
+
+def old_logp_before_forward(config: AlgorithmConfig) -> bool:
+    """Whether an enabled method reads the old log-probs before the train forward (AR's
+    reweighting). Otherwise every method reads them inside the loss (Lopti's split) or in
+    the pre-pass of the same weights, so an update whose weights are still the old policy's
+    can take them from its own forward."""
+    return any(m.reads_old_logp_before_forward(config) for m in enabled_methods(config))
 
 
 def needs_prepass(config: AlgorithmConfig) -> bool:

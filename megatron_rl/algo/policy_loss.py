@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 import torch
 
 from megatron_rl.algo.config import AlgorithmConfig
-from megatron_rl.algo.methods import check_phase, enabled_methods, pair, select_tokens
+from megatron_rl.algo.methods import check_phase, enabled_methods, old_logp_before_forward, pair, select_tokens
 
 LOG_RATIO_CLAMP = 20.0
 
@@ -120,19 +120,25 @@ def ppo_clip_loss(
 
 
 def prepare_advantages(
-    advantages: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor, config: AlgorithmConfig
+    advantages: torch.Tensor, old_logp: torch.Tensor | None, mask: torch.Tensor, config: AlgorithmConfig
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Once per RL step, before any update: every enabled method's advantage reweighting
     (Advantage Reweighting), in composition order.
 
     Args:
         advantages: ``[*S]`` token advantages (response advantage broadcast to its tokens).
-        old_logp: ``[*S]`` old-policy log-probs at the rollout temperature.
+        old_logp: ``[*S]`` old-policy log-probs at the rollout temperature; ``None`` when
+            the update takes them from its own forward (allowed only when no enabled
+            method reads them before the forward: ``old_logp_before_forward``).
         mask: ``[*S]`` valid response tokens.
 
     Returns:
         ``(advantages [*S], metrics)``; unchanged advantages when no method reweights.
     """
+    if old_logp is None:
+        if old_logp_before_forward(config):
+            raise ValueError("an enabled method reweights the advantages from old_logp, which is None")
+        return advantages, {}
     valid = mask.bool()
     metrics: dict[str, torch.Tensor] = {}
     for method in enabled_methods(config):

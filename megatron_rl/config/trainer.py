@@ -160,8 +160,18 @@ class ActorConfig:
     ``fully_reshardable`` (gathered per parameter; loads at any TP/PP/DP)."""
 
     logits_chunk_tokens: int | None = None
-    """Tokens per chunk of the fused loss; null sizes chunks to about 4 MiB of float32
-    logits."""
+    """Tokens per chunk of the fused loss; null sizes chunks by the device's budget of
+    float32 logits (``ops.vocab_parallel.chunk_budget_bytes``: 4 MiB on CPU, 256 MiB on
+    CUDA; 64 / 256 MiB with the fused lm-head)."""
+
+    old_logp_source: Literal["auto", "recompute"] = "auto"
+    """Where the PPO ratio's old log-probs come from. ``recompute``: a forward-only pass
+    over the whole batch before the update. ``auto``: the first optimizer step of an RL
+    step runs the old policy's own weights, so its mini-batch takes them from its train
+    forward (detached; the ratio is exactly 1) and only the other mini-batches' rows are
+    recomputed first; with one mini-batch the separate pass disappears. ``auto`` falls
+    back to ``recompute`` when the old log-probs are needed before that forward: Advantage
+    Reweighting (``algorithm.ar``) or truncated importance sampling (``rollout.tis_cap``)."""
 
     loss_impl: Literal["fused_linear", "logits"] = "fused_linear"
     """How the last pipeline stage feeds the fused loss: ``fused_linear`` takes the final

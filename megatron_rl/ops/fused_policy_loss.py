@@ -85,7 +85,10 @@ class LossInputs:
     """Per-token inputs of the loss, all ``[*S]`` (see ``compute_policy_loss``)."""
 
     targets: torch.Tensor
-    old_logp: torch.Tensor
+    old_logp: torch.Tensor | None
+    """Old-policy log-probs; ``None``: the logits are the old policy's own (an on-policy
+    update's first optimizer step), so the old log-probs are the current ones, detached,
+    and the ratio is exactly 1."""
     advantages: torch.Tensor
     mask: torch.Tensor
     ref_logp: torch.Tensor | None = None
@@ -195,7 +198,7 @@ def _loss_on_tokens(
     with torch.enable_grad():
         out = compute_policy_loss(
             logp,
-            inputs.old_logp.to(logp.dtype),
+            logp.detach() if inputs.old_logp is None else inputs.old_logp.to(logp.dtype),
             inputs.advantages.to(logp.dtype),
             inputs.mask,
             config,

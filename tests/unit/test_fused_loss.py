@@ -221,3 +221,24 @@ def test_fused_linear_bf16_runs_its_matmuls_in_bf16_and_accumulates_in_float32()
     assert float(out.loss_sum.detach()) == pytest.approx(float(want.loss_sum.detach()), rel=2e-2, abs=2e-2)
     torch.testing.assert_close(h.grad.double(), h64.grad, atol=3e-2, rtol=3e-2)
     torch.testing.assert_close(main_grad.double(), w64.grad, atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize("name", list(LOSS_CASES))
+def test_on_policy_old_logp_none_equals_the_naive_loss_at_the_current_logprobs(name):
+    """``old_logp=None`` (an on-policy update's first step): the old log-probs are the
+    current ones, so the loss and gradient equal the float64 reference given
+    ``old = log_softmax(logits / T)[target]``, and every ratio is exactly 1."""
+    cfg = LOSS_CASES[name]
+    if cfg.ar.enabled:
+        pytest.skip("AR reweights advantages from old_logp before the loss (the actor never passes None then)")
+    phase = lopti_phase_for(name, cfg)
+    logits, targets, mask, _, ref, adv = make_inputs(seed=len(name), dtype=torch.float64)
+    current, _ = naive_logp_entropy(logits, targets, 0.7)
+    want, want_grad, _, _, want_m = naive_loss(logits, targets, mask, current, ref, adv, cfg, temperature=0.7,
+                                                phase=phase)  # fmt: skip
+    got, grad, _, out = run_fused(logits, targets, mask, None, ref, adv, cfg, phase=phase, temperature=0.7)
+    assert float(got) == pytest.approx(float(want), abs=1e-12, rel=1e-12)
+    torch.testing.assert_close(grad, want_grad, atol=1e-12, rtol=1e-12)
+    got_m, ref_m = finalize_metrics(out.metrics), finalize_metrics(want_m)
+    for k in ref_m:
+        assert got_m[k] == pytest.approx(ref_m[k], abs=1e-12), k

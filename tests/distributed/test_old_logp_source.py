@@ -1,0 +1,111 @@
+"""The on-policy fast path for the old log-probs (``actor.old_logp_source: auto``).
+
+The first optimizer step of an RL step runs the old policy's own weights, so its
+mini-batch takes the old log-probs from its train forward instead of a separate
+forward-only pass; the other rows are still recomputed before any update. These tests
+run two RL steps through the whole update (``update_policy`` on a 2-rank Ray actor
+group) once with ``auto`` and once with ``recompute`` from the same initial weights and
+check the two give the same updated weights, losses, gradient norms and engine-mismatch
+metrics, for a plain one-mini-batch GRPO step (PP=2: the log-probs come back from the
+last stage) and for Lopti + STAPO + TR-GRPO + KL + entropy with 2 mini-batches x 2
+epochs (DP=2: the rows are split over ranks).
+"""
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+ray = pytest.importorskip("ray")
+
+from megatron_rl.actor.batch import ActorBatch  # noqa: E402
+from megatron_rl.actor.ray_group import ActorGroup  # noqa: E402
+from megatron_rl.actor.spec import ActorSpec  # noqa: E402
+from megatron_rl.actor.update import old_logp_from_train_forward  # noqa: E402
+from megatron_rl.algo import AlgorithmConfig, ARConfig, LoptiConfig, STAPOConfig, TRGRPOConfig  # noqa: E402
+from megatron_rl.config import ActorConfig, ParallelConfig, RolloutConfig, TrainerConfig  # noqa: E402
+from megatron_rl.placement import GroupPlacement  # noqa: E402
+from tests.helpers.rollout_models import ACTOR_HF_CONFIG  # noqa: E402
+
+N, L, PROMPT = 8, 14, 4
+TOL = 2e-5  # float32: the two paths' forwards batch the rows differently
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    ray.init(num_cpus=4, include_dashboard=False, configure_logging=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def _batch() -> ActorBatch:
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, ACTOR_HF_CONFIG["vocab_size"], (N, L), generator=g)
+    lengths = torch.randint(PROMPT + 3, L + 1, (N,), generator=g)
+    attn = (torch.arange(L)[None] < lengths[:, None]).long()
+    loss_mask = attn.clone()
+    loss_mask[:, :PROMPT] = 0
+    advantages = torch.randn(N, 1, generator=g).expand(N, L).clone()
+    engine_logp = -torch.rand(N, L, generator=g) * 6  # stands in for the engines' log-probs
+    return ActorBatch(input_ids=ids, attention_mask=attn, loss_mask=loss_mask, advantages=advantages,
+                      engine_logp=engine_logp)  # fmt: skip
+
+
+def _run(spec: ActorSpec, source: str, steps: int = 2) -> tuple[list[dict], dict]:
+    spec = replace(spec, actor=replace(spec.actor, old_logp_source=source))
+    actors = ActorGroup(spec, GroupPlacement.uniform(spec.parallel.num_actor_ranks, num_cpus=0))
+    try:
+        batch = _batch()
+        metrics = [actors.update_policy(batch, step) for step in range(1, steps + 1)]
+        return metrics, actors.hf_state_dict()
+    finally:
+        actors.shutdown()
+
+
+CASES = {
+    "grpo_pp2_one_minibatch": (
+        ParallelConfig(num_actor_ranks=2, pipeline_model_parallel_size=2),
+        TrainerConfig(seed=7, lr=1e-2),
+        AlgorithmConfig(),
+        1.0,
+    ),
+    "methods_dp2_2mb_2ep": (
+        ParallelConfig(num_actor_ranks=2),
+        TrainerConfig(seed=7, lr=1e-2, num_minibatches_per_step=2, num_epochs_per_step=2),
+        AlgorithmConfig(
+            kl_coef=0.01, entropy_coef=0.01,
+            lopti=LoptiConfig(enabled=True, eta=0.05),
+            stapo=STAPOConfig(enabled=True, tau_p=0.05, entropy_quantile=0.75),
+            tr_grpo=TRGRPOConfig(enabled=True),
+        ),  # fmt: skip
+        0.5,
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_auto_equals_recompute(ray_session, case):
+    parallel, trainer, algorithm, frac = CASES[case]
+    spec = ActorSpec(architecture=dict(ACTOR_HF_CONFIG), parallel=parallel, trainer=trainer, algorithm=algorithm,
+                     rollout=RolloutConfig(temperature=0.7))  # fmt: skip
+    fast, fast_weights = _run(spec, "auto")
+    slow, slow_weights = _run(spec, "recompute")
+    for f, s in zip(fast, slow):
+        assert f["actor/old_logp_from_forward_frac"] == frac and s["actor/old_logp_from_forward_frac"] == 0.0
+        for key in ("loss/total", "actor/grad_norm", "rollout/logp_mismatch/mean_abs", "rollout/logp_mismatch/max_abs"):
+            assert f[key] == pytest.approx(s[key], rel=TOL, abs=TOL), key
+    assert slow[0]["actor/grad_norm"] > 0 and slow[1]["actor/grad_norm"] != slow[0]["actor/grad_norm"]  # it trained
+    assert fast_weights.keys() == slow_weights.keys()
+    for name in slow_weights:
+        torch.testing.assert_close(fast_weights[name], slow_weights[name], rtol=TOL, atol=TOL, msg=name)
+
+
+def test_auto_falls_back_when_old_logp_is_needed_before_the_forward():
+    spec = ActorSpec(architecture=dict(ACTOR_HF_CONFIG))
+    assert old_logp_from_train_forward(spec)
+    assert not old_logp_from_train_forward(replace(spec, algorithm=AlgorithmConfig(ar=ARConfig(alpha=0.3))))
+    assert not old_logp_from_train_forward(replace(spec, rollout=RolloutConfig(tis_cap=2.0)))
+    assert not old_logp_from_train_forward(replace(spec, actor=ActorConfig(old_logp_source="recompute")))
+    # Lopti reads the old log-probs inside the loss (its split), STAPO in its pre-pass: both fine.
+    lopti = AlgorithmConfig(lopti=LoptiConfig(enabled=True), stapo=STAPOConfig(enabled=True))
+    assert old_logp_from_train_forward(replace(spec, algorithm=lopti))
