@@ -42,6 +42,7 @@ from megatron_rl.placement import (
     RunPlacement,
     actor_placement,
     alive_nodes,
+    cpu_threads,
     engine_placement,
     place_on_gpus,
     plan_gpu_placement,
@@ -141,8 +142,12 @@ def _placements(config: RunConfig) -> tuple[GroupPlacement, GroupPlacement, RunP
     not fit raises ``PlacementError`` before any actor starts), plain options on CPU."""
     nodes = alive_nodes()
     if not any(n.num_gpus for n in nodes):
-        return actor_placement(config.parallel), engine_placement(config.rollout, config.parallel), None
-    placed = place_on_gpus(plan_gpu_placement(config.parallel, config.rollout, nodes))
+        threads = cpu_threads(config.parallel, config.rollout, nodes)
+        actors = actor_placement(config.parallel, torch_threads=threads)
+        return actors, engine_placement(config.rollout, config.parallel, torch_threads=threads), None
+    placed = place_on_gpus(
+        plan_gpu_placement(config.parallel, config.rollout, nodes), torch_threads=config.parallel.cpu_threads or 1
+    )
     return placed.actor, placed.engines, placed
 
 

@@ -47,6 +47,7 @@ __all__ = [
     "PlacementPlan",
     "RunPlacement",
     "actor_placement",
+    "cpu_threads",
     "alive_nodes",
     "engine_placement",
     "place_on_gpus",
@@ -107,6 +108,8 @@ class NodeInfo:
     node_id: str
     ip: str
     num_gpus: int
+    num_cpus: int = 0
+    """Ray CPUs of the node."""
 
 
 @dataclass(frozen=True)
@@ -199,7 +202,10 @@ def alive_nodes() -> list[NodeInfo]:
     import ray
 
     nodes = sorted((n for n in ray.nodes() if n["Alive"]), key=lambda n: (n["NodeManagerAddress"], n["NodeID"]))
-    return [NodeInfo(n["NodeID"], n["NodeManagerAddress"], int(n["Resources"].get("GPU", 0))) for n in nodes]
+    return [
+        NodeInfo(n["NodeID"], n["NodeManagerAddress"], int(n["Resources"].get("GPU", 0)), int(n["Resources"].get("CPU", 0)))
+        for n in nodes
+    ]
 
 
 @dataclass
@@ -221,8 +227,9 @@ class RunPlacement:
         self.placement_groups = []
 
 
-def place_on_gpus(plan: PlacementPlan, *, timeout_s: float = 300.0) -> RunPlacement:
-    """Create the plan's placement groups and the two groups' Ray options.
+def place_on_gpus(plan: PlacementPlan, *, timeout_s: float = 300.0, torch_threads: int = 1) -> RunPlacement:
+    """Create the plan's placement groups and the two groups' Ray options (``torch_threads``
+    per actor rank and engine).
 
     Actor ranks take 1 GPU of their bundle (0.5 when engines share it); an engine takes
     its first GPU's bundle (1 GPU, or 0.5 colocated) and sees all of its GPUs through
@@ -261,13 +268,17 @@ def place_on_gpus(plan: PlacementPlan, *, timeout_s: float = 300.0) -> RunPlacem
     gpu_ids = dict(zip(bundle_of, ray.get([_gpu_id.options(scheduling_strategy=strategy(*k)).remote() for k in bundle_of])))
     share = 0.5 if plan.colocated else 1.0
     actor = GroupPlacement(
-        ray_options=tuple({"num_cpus": 0, "num_gpus": share, "scheduling_strategy": strategy(*s)} for s in plan.actor_slots)
+        ray_options=tuple(
+            {"num_cpus": 0, "num_gpus": share, "scheduling_strategy": strategy(*s)} for s in plan.actor_slots
+        ),
+        torch_threads=torch_threads,
     )
     engines = GroupPlacement(
         ray_options=tuple(
             {"num_cpus": 0, "num_gpus": share, "scheduling_strategy": strategy(*e[0])} for e in plan.engine_slots
         ),
         visible_devices=tuple(tuple(gpu_ids[s] for s in e) for e in plan.engine_slots),
+        torch_threads=torch_threads,
     )
     layout = {
         "kind": "gpu",
@@ -283,19 +294,30 @@ def place_on_gpus(plan: PlacementPlan, *, timeout_s: float = 300.0) -> RunPlacem
 # ---------------------------------------------------------------------------- CPU
 
 
-def actor_placement(parallel: ParallelConfig) -> GroupPlacement:
+def cpu_threads(parallel: ParallelConfig, rollout: RolloutConfig, nodes: list[NodeInfo]) -> int:
+    """Torch threads per actor rank and per engine on a CPU cluster: ``parallel.cpu_threads``,
+    or the smallest node's CPUs over the larger group (the two groups take turns)."""
+    if parallel.cpu_threads is not None:
+        return parallel.cpu_threads
+    cores = min((n.num_cpus for n in nodes), default=1)
+    return max(1, cores // max(parallel.num_actor_ranks, rollout.num_engines, 1))
+
+
+def actor_placement(parallel: ParallelConfig, *, torch_threads: int = 1) -> GroupPlacement:
     """The actor's ranks on a CPU cluster: no reserved Ray CPU (the ranks share the cores
-    with the engines) and one torch thread per rank."""
+    with the engines) and ``torch_threads`` each (:func:`cpu_threads`)."""
     return GroupPlacement.uniform(
-        parallel.num_actor_ranks, num_cpus=0.0, strategy=_RAY_STRATEGIES[parallel.ray_scheduling], torch_threads=1
-    )
+        parallel.num_actor_ranks, num_cpus=0.0, strategy=_RAY_STRATEGIES[parallel.ray_scheduling],
+        torch_threads=torch_threads,
+    )  # fmt: skip
 
 
-def engine_placement(rollout: RolloutConfig, parallel: ParallelConfig) -> GroupPlacement:
-    """The rollout engines on a CPU cluster: one Ray CPU (and one torch thread) each."""
+def engine_placement(rollout: RolloutConfig, parallel: ParallelConfig, *, torch_threads: int = 1) -> GroupPlacement:
+    """The rollout engines on a CPU cluster: one Ray CPU and ``torch_threads`` each."""
     return GroupPlacement.uniform(
-        rollout.num_engines, num_cpus=1.0, strategy=_RAY_STRATEGIES[parallel.ray_scheduling], torch_threads=1
-    )
+        rollout.num_engines, num_cpus=1.0, strategy=_RAY_STRATEGIES[parallel.ray_scheduling],
+        torch_threads=torch_threads,
+    )  # fmt: skip
 
 
 def spread_strategies(count: int, *, num_cpus: float = 0.0, num_gpus: float = 0.0) -> list[Any]:

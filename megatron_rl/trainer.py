@@ -71,7 +71,9 @@ class Trainer:
                     r.sink.log(self.step, last)
                     progress.update(self.step, last)
                 every = cfg.trainer.save_every_steps
-                due = (every and self.step % every == 0) or self.step == cfg.trainer.num_steps
+                due = (every and self.step % every == 0) or (
+                    self.step == cfg.trainer.num_steps and cfg.trainer.save_final
+                )
                 # After a skipped (non-finite) step the previous checkpoint stays the latest:
                 # a run that is diverging must not push its last good state aside.
                 if due and r.actors.consecutive_nonfinite == 0:

@@ -59,8 +59,7 @@ class ActorWorker:
     def __init__(self, *, rank: int, world_size: int, torch_threads: int):
         self.rank = rank
         self.world_size = world_size
-        if not torch.cuda.is_available():
-            torch.set_num_threads(torch_threads)
+        torch.set_num_threads(torch_threads)  # parallel.cpu_threads (placement.cpu_threads)
         self.actor = None
         self.reference = None
         self.sender = None

@@ -42,8 +42,15 @@ class ParallelConfig:
     affinity), so every node gets work and neighbouring ranks share a node. The actual
     placement is written to ``RUN_DIR/placement.json`` at startup."""
 
+    cpu_threads: int | None = None
+    """Torch threads of each actor rank and each rollout engine. null: on GPUs 1 (the
+    device does the work); on a CPU cluster the smallest node's Ray CPUs divided by the
+    larger of the actor ranks and the engines, at least 1. The actor and the engines take turns
+    (generation, then the update), so each side may use the cores while the other waits."""
+
     def __post_init__(self) -> None:
         check_literals(self)
+        require_range("cpu_threads", self.cpu_threads, ge=1, le=4096)
         require_positive_ints(
             self, "num_actor_ranks", "tensor_model_parallel_size", "pipeline_model_parallel_size",
             "context_parallel_size",

@@ -90,7 +90,11 @@ class TrainerConfig(OptimConfig):
     """Seed of model init, data order and sampling, in [0, 2**63 - 1]."""
 
     save_every_steps: int = 0
-    """Write a checkpoint every this many steps (and at the end); 0 saves only at the end."""
+    """Write a checkpoint every this many steps; 0: none during the run (see ``save_final``)."""
+
+    save_final: bool = True
+    """Also write a checkpoint after the last step (so the run can be resumed, extended or
+    converted); false skips it (benchmarks, throwaway runs)."""
 
     eval_every_steps: int = 0
     """Evaluate on ``data.eval_files`` every this many steps; 0 disables evaluation."""

@@ -69,9 +69,11 @@ class NaNAt(Trainer):
 
 
 def test_nan_step_is_skipped_and_counted(tmp_path, ray_session):
-    cfg = tiny_config(tmp_path, "trainer.num_steps=3", "trainer.eval_every_steps=0", "trainer.save_every_steps=0")
+    cfg = tiny_config(tmp_path, "trainer.num_steps=3", "trainer.eval_every_steps=0", "trainer.save_every_steps=0",
+                      "trainer.save_final=false")  # fmt: skip
     NaNAt.nan_steps = (2,)
     run(cfg, NaNAt)
+    assert not any((cfg.run_dir / "checkpoints").glob("step_*"))  # save_final=false: no checkpoint at all
     rec = {r["step"]: r for r in read_metrics(cfg.run_dir)}
     assert rec[1]["actor/step_skipped"] == 0 and rec[3]["actor/step_skipped"] == 0
     assert rec[2]["actor/step_skipped"] == 1 and rec[2]["actor/skipped_steps_total"] == 1

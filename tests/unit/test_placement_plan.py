@@ -8,7 +8,7 @@ the numbers."""
 import pytest
 
 from megatron_rl.config import ParallelConfig, RolloutConfig
-from megatron_rl.placement import NodeInfo, PlacementError, plan_gpu_placement
+from megatron_rl.placement import NodeInfo, PlacementError, cpu_threads, plan_gpu_placement
 
 NODES = [NodeInfo("n0", "10.0.0.1", 8), NodeInfo("n1", "10.0.0.2", 8)]
 
@@ -60,3 +60,16 @@ def test_a_layout_that_does_not_fit_names_the_numbers(args, needle):
     with pytest.raises(PlacementError, match=needle) as info:
         _plan(*args)
     assert "nodes have [8, 8] GPUs" in str(info.value)
+
+
+def test_cpu_threads_default_shares_the_smallest_node_between_the_larger_group():
+    def threads(cpus, ranks, engines, **parallel):
+        nodes = [NodeInfo(f"n{i}", f"10.0.0.{i}", 0, c) for i, c in enumerate(cpus)]
+        return cpu_threads(ParallelConfig(num_actor_ranks=ranks, **parallel), RolloutConfig(num_engines=engines), nodes)
+
+    assert threads([2], 1, 1) == 2  # the actor and the engine take turns: each may use both cores
+    assert threads([16, 8], 2, 1) == 4  # the smallest node, the larger group
+    assert threads([16], 2, 4) == 4
+    assert threads([2], 4, 1) == 1  # never below 1
+    assert threads([], 1, 1) == 1
+    assert threads([16], 1, 1, cpu_threads=3) == 3  # set explicitly: used as given
