@@ -37,6 +37,7 @@ from megatron_rl.configlib import save_resolved, to_dict
 from megatron_rl.data.source import PromptSource
 from megatron_rl.models import adapter_for_config
 from megatron_rl.observability import MetricsSink
+from megatron_rl.observability.run_log import LOG_DIR_ENV
 from megatron_rl.placement import (
     GroupPlacement,
     RunPlacement,
@@ -174,6 +175,11 @@ def build_run(config: RunConfig, *, checked: Preflight | None = None) -> Run:
             include_dashboard=False,
             log_to_driver=True,
             configure_logging=False,
+            # Every worker of the job logs to RUN_DIR/logs (observability.run_log).
+            runtime_env={
+                "env_vars": {LOG_DIR_ENV: str((run_dir / "logs").resolve())},
+                "worker_process_setup_hook": "megatron_rl.observability.run_log.setup_worker_logging",
+            },
         )
     actor_group, engine_group, gpu_placement = _placements(config)
     actors = ActorGroup(actor_spec(config), actor_group)

@@ -21,6 +21,7 @@ driver's state in every checkpoint).
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import time
@@ -49,6 +50,8 @@ def is_hf_directory(source: str) -> bool:
     return (path / "config.json").exists() and any(path.glob("*.safetensors"))
 
 
+logger = logging.getLogger(__name__)
+
 class NonFiniteStepsError(RuntimeError):
     """Too many consecutive steps had a non-finite loss or gradient norm."""
 
@@ -57,6 +60,7 @@ class ActorWorker:
     """One rank of the actor group (constructed by Ray; see :class:`ActorGroup`)."""
 
     def __init__(self, *, rank: int, world_size: int, torch_threads: int):
+        logger.info("this process is actor rank %d of %d", rank, world_size)
         self.rank = rank
         self.world_size = world_size
         torch.set_num_threads(torch_threads)  # parallel.cpu_threads (placement.cpu_threads)

@@ -112,6 +112,10 @@ _BAD_INPUT = (ConfigError, ValueError, FileExistsError, FileNotFoundError)
 
 
 def _train(config, checked) -> int:
+    from megatron_rl.observability.run_log import setup_process_logging
+
+    # First: the imports below warn (megatron-core without Apex/TE); the notices go to the file.
+    setup_process_logging(config.run_dir / "logs" / "driver.log")
     # Imported here: the trainer pulls in Ray, megatron-core and transformers.
     from ray.exceptions import RayActorError
 
@@ -143,9 +147,11 @@ def _train(config, checked) -> int:
         return EXIT_FAILURE
     finally:
         trainer.close()
+    saved = any((config.run_dir / "checkpoints").glob("step_*"))
     print(
-        f"done: metrics in {config.run_dir / 'metrics.jsonl'}, checkpoints in {config.run_dir / 'checkpoints'}; "
-        f"plot with: python tools/plot_run.py {config.run_dir}",
+        f"done: metrics in {config.run_dir / 'metrics.jsonl'}"
+        + (f", checkpoints in {config.run_dir / 'checkpoints'}" if saved else ", no checkpoint (trainer.save_final)")
+        + f", logs in {config.run_dir / 'logs'}; plot with: python tools/plot_run.py {config.run_dir}",
         file=sys.stderr,
     )
     return EXIT_OK

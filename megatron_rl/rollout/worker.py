@@ -10,6 +10,7 @@ forwards the pool's calls to it. ``build_engine`` resolves an engine kind: ``hf`
 from __future__ import annotations
 
 import importlib
+import logging
 import os
 import time
 from collections import deque
@@ -64,6 +65,8 @@ def build_engine(
     return cls(model_path, name=name, **engine_args, **extra)
 
 
+logger = logging.getLogger(__name__)
+
 class EngineWorker:
     """The body of one engine's Ray actor: builds the engine and forwards calls to it."""
 
@@ -77,6 +80,7 @@ class EngineWorker:
             # others are reserved in the placement group); before CUDA is initialised,
             # let the process see all of them (``megatron_rl.placement``).
             os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(visible_devices)
+        logger.info("this process is rollout engine %s", name)
         # Before the engine imports anything heavy: one process per engine, so the torch
         # thread count is this actor's CPU share, not the whole machine.
         torch.set_num_threads(max(1, num_threads))

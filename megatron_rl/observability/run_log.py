@@ -1,0 +1,84 @@
+"""Where a run's log records go: everything to files in ``RUN_DIR/logs``, only the
+project's own warnings and every error to the screen.
+
+A normal run's screen holds the progress line and what needs the user's attention. The
+notices of the libraries underneath (megatron-core's "Apex is not installed", deprecation
+warnings, Ray's token-authentication notice, transformers' loading bars) go to
+``RUN_DIR/logs/driver.log`` and to one file per Ray worker process
+(``RUN_DIR/logs/worker-<pid>.log``; each actor rank and engine names itself in its file),
+where they can still be read.
+
+The driver calls :func:`setup_process_logging`; the builder starts Ray with
+:func:`setup_worker_logging` as the job's ``worker_process_setup_hook`` and the log
+directory in :data:`LOG_DIR_ENV`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from pathlib import Path
+
+__all__ = ["LOG_DIR_ENV", "setup_process_logging", "setup_worker_logging"]
+
+LOG_DIR_ENV = "MEGATRON_RL_LOG_DIR"
+"""Environment variable naming the run's log directory in its Ray workers."""
+
+_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+class _ScreenFilter(logging.Filter):
+    """The project's records at the console level, and anyone's errors."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.name.split(".")[0] == "megatron_rl" or record.levelno >= logging.ERROR
+
+
+def setup_process_logging(log_file: Path, *, console_level: int = logging.WARNING) -> None:
+    """Send this process's log records (INFO and up, Python warnings included) to
+    ``log_file`` and only the project's (``console_level`` and up) and errors to stderr.
+    Idempotent: the handlers it added before are replaced."""
+    log_file = Path(log_file)
+    log_file.parent.mkdir(parents=True, exist_ok=True)
+    root = logging.getLogger()
+    for handler in [h for h in root.handlers if getattr(h, "_megatron_rl", False)]:
+        root.removeHandler(handler)
+        handler.close()
+    file_handler = logging.FileHandler(log_file, encoding="utf-8")
+    file_handler.setLevel(logging.INFO)
+    file_handler.setFormatter(logging.Formatter(_FORMAT))
+    screen = logging.StreamHandler(sys.stderr)
+    screen.setLevel(console_level)
+    screen.addFilter(_ScreenFilter())
+    screen.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    for handler in (file_handler, screen):
+        handler._megatron_rl = True  # type: ignore[attr-defined]
+        root.addHandler(handler)
+    root.setLevel(min(root.level or logging.WARNING, logging.INFO))
+    logging.captureWarnings(True)  # warnings.warn(...) becomes a "py.warnings" record: file only
+    # Ray's logger prints through a stderr handler of its own (not the root's): route it
+    # through the handlers above, so its notices reach the file and its errors the screen.
+    import ray  # noqa: F401  (installs that handler; imported here so it is there to replace)
+
+    ray_logger = logging.getLogger("ray")
+    for handler in list(ray_logger.handlers):
+        ray_logger.removeHandler(handler)
+    ray_logger.propagate = True
+
+
+def setup_worker_logging() -> None:
+    """Ray's ``worker_process_setup_hook`` for a run's workers (actor ranks, engines, reward
+    and helper tasks): runs when the worker process starts, before it imports the classes
+    it will host (whose imports warn), and logs to ``<log dir>/worker-<pid>.log`` as
+    :func:`setup_process_logging` does; also turns off transformers' progress bars. Does
+    nothing without :data:`LOG_DIR_ENV` (a bare ``ray.init``, as in tests)."""
+    directory = os.environ.get(LOG_DIR_ENV)
+    if not directory:
+        return
+    setup_process_logging(Path(directory) / f"worker-{os.getpid()}.log")
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:
+        return
+    hf_logging.disable_progress_bar()
