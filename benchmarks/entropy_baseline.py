@@ -8,8 +8,10 @@ the logits shard:
 
     forward   p = softmax(z) over the vocab (max and sum all-reduced over ``group``),
               H = logZ - sum_v p z  (the sum all-reduced), saves p (the one buffer) and z
-    backward  dH/dz = p * (logZ - H - z) * dH, computed in place in p's buffer, a chunk of
-              tokens at a time (the chunk's p * z is the only temporary)
+    backward  dH/dz = -p * (log p + H) * dH, computed in place in p's buffer, a chunk of
+              tokens at a time (the chunk's p log p is the only temporary). It reads p
+              and H only, not z: megatron's cross-entropy, run next on the same float32
+              logits, overwrites them in place with its softmax
     (the forward works a chunk of tokens at a time too, so bfloat16 logits are never
     copied to float32 whole)
 
@@ -55,17 +57,18 @@ class _EntropyOneBuffer(torch.autograd.Function):
             dist.all_reduce(sum_pz, group=group)
         log_z = torch.log(sum_e) + m
         entropy = log_z - sum_pz
-        ctx.save_for_backward(p, z, log_z - entropy)
+        ctx.save_for_backward(p, entropy)
+        ctx.z_dtype = z.dtype
         return entropy
 
     @staticmethod
     def backward(ctx, grad_entropy: torch.Tensor):
-        p, z, shift = ctx.saved_tensors  # shift = logZ - H, per token
+        p, entropy = ctx.saved_tensors
         grad = p  # reused in place: autograd never sees p again
         for rows in _chunks(p.shape[0]):
-            pz = p[rows] * z[rows].float()
-            grad[rows].mul_(shift[rows, None]).sub_(pz).mul_(grad_entropy[rows, None])
-        return grad.to(z.dtype), None
+            p_log_p = torch.special.xlogy(p[rows], p[rows])  # 0 where p underflowed to 0
+            grad[rows].mul_(entropy[rows, None]).add_(p_log_p).mul_(-grad_entropy[rows, None])
+        return grad.to(ctx.z_dtype), None
 
 
 def entropy_one_buffer(z: torch.Tensor, group=None) -> torch.Tensor:

@@ -3,7 +3,11 @@
 Methods (same loss config, same inputs; forward + backward to the logits):
   naive      (a) gather the full logits, log_softmax + entropy + the algo loss, autograd
   megatron   (b) megatron-core vocab_parallel_cross_entropy for log-probs plus a separate
-                 vocab-parallel entropy pass (autograd), then the algo loss
+                 vocab-parallel entropy pass (plain autograd), then the algo loss
+  megatron_careful (b') the same cross-entropy with a careful entropy pass: a custom
+                 autograd function with one softmax buffer and an in-place backward
+                 (benchmarks/entropy_baseline.py, as verl's entropy_from_logits does):
+                 the strongest unfused baseline, the one ratios are quoted against
   fused      (c) megatron_rl.ops.fused_policy_loss
   fused_linear (d) megatron_rl.ops.fused_linear_policy_loss from hidden states and the
                  lm-head shard (hidden size --hidden), accumulating into a preallocated
@@ -46,7 +50,7 @@ import torch.multiprocessing as mp
 
 VOCAB = 151_936  # Qwen2.5
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-METHODS = ("naive", "megatron", "fused", "fused_linear")
+METHODS = ("naive", "megatron", "megatron_careful", "fused", "fused_linear")
 
 
 def rss_bytes() -> int:
@@ -125,6 +129,16 @@ def _rank(rank, world, port, args, queue):
             out.loss_sum.backward()
         elif linear:
             out, _ = fused_linear_policy_loss(hidden, weight, inputs, cfg, opts, weight_main_grad=main_grad)
+            out.loss_sum.backward()
+        elif args.method == "megatron_careful":
+            from entropy_baseline import entropy_one_buffer
+            from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+            # Entropy first: on float32 logits the cross-entropy overwrites them in place with
+            # its softmax (the entropy's backward reads only its own buffer).
+            entropy = entropy_one_buffer(logits, group if world > 1 else None)
+            logp = -vocab_parallel_cross_entropy(logits, targets)
+            out = compute_policy_loss(logp, old_logp, adv, mask, cfg, ref_logp=ref_logp, entropy=entropy)
             out.loss_sum.backward()
         elif args.method == "megatron":
             from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
@@ -234,7 +248,7 @@ def main() -> None:
         return
 
     # Rough total bytes of a case (inputs + extra), to skip what cannot fit this machine.
-    extra_x = {"naive": 6.0, "megatron": 3.0, "fused": 2.2, "fused_linear": 0.2}
+    extra_x = {"naive": 6.0, "megatron": 3.0, "megatron_careful": 2.2, "fused": 2.2, "fused_linear": 0.2}
     for tp in args.tp:
         for tokens in args.tokens:
             for method in args.methods:

@@ -62,3 +62,50 @@ def test_two_vocab_shards_match_float64_autograd():
     for rank, h, grad in out:
         assert torch.allclose(h.double(), ref_h, atol=1e-4, rtol=1e-5)
         assert torch.allclose(grad.double(), ref_grad.chunk(2, dim=-1)[rank], atol=1e-4, rtol=1e-4)
+
+
+def test_after_megatrons_in_place_cross_entropy_the_loss_equals_the_fused_op():
+    """fused_loss.py's megatron_careful order: the entropy, then megatron's cross-entropy,
+    which overwrites float32 logits in place with its softmax (the entropy's backward does
+    not read them). Loss and logits gradient equal the fused op's on the same inputs."""
+    import os
+
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    from megatron_rl.algo import AlgorithmConfig, compute_policy_loss
+    from megatron_rl.ops import LossInputs, VocabParallelOptions, fused_policy_loss
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29613")
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("gloo", rank=0, world_size=1)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
+    try:
+        g = torch.Generator().manual_seed(1)
+        num_tokens, vocab = 300, 120
+        z = torch.randn(num_tokens, vocab, generator=g) * 3
+        targets = torch.randint(0, vocab, (num_tokens,), generator=g)
+        old = -torch.rand(num_tokens, generator=g) * 5
+        adv = torch.randn(num_tokens, generator=g)
+        mask = torch.rand(num_tokens, generator=g) > 0.2
+        cfg = AlgorithmConfig(kl_coef=0.01, entropy_coef=0.05)
+        inputs = LossInputs(targets=targets, old_logp=old, advantages=adv, mask=mask, ref_logp=old + 0.1)
+
+        careful = z.clone().requires_grad_()
+        entropy = _module().entropy_one_buffer(careful)
+        logp = -vocab_parallel_cross_entropy(careful, targets)
+        out = compute_policy_loss(logp, old, adv, mask, cfg, ref_logp=old + 0.1, entropy=entropy)
+        out.loss_sum.backward()
+
+        fused = z.clone().requires_grad_()
+        want, _ = fused_policy_loss(fused, inputs, cfg, VocabParallelOptions())
+        want.loss_sum.backward()
+        assert float(out.loss_sum) == pytest.approx(float(want.loss_sum), rel=1e-5, abs=1e-5)
+        torch.testing.assert_close(careful.grad, fused.grad, atol=1e-5, rtol=1e-4)
+    finally:
+        parallel_state.destroy_model_parallel()
+        if created:
+            dist.destroy_process_group()
