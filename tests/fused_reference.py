@@ -27,6 +27,20 @@ def make_inputs(seed=0, rows=3, cols=7, vocab=37, dtype=torch.float32, scale=2.0
     return logits, targets, mask, old_logp, ref_logp, adv
 
 
+def make_linear_inputs(seed, weight_seed):
+    """float64 hidden states ``[3, 7, 16]``, an lm-head ``[37, 16]`` (generator ``weight_seed``)
+    and :func:`make_inputs`' loss inputs at ``seed`` as ``LossInputs``; also returns those
+    inputs' tensors ``(targets, mask, old_logp, ref_logp, adv)`` for the naive reference."""
+    from megatron_rl.ops import LossInputs
+
+    _, targets, mask, old, ref, adv = make_inputs(seed=seed)
+    g = torch.Generator().manual_seed(weight_seed)
+    hidden = torch.randn(3, 7, 16, generator=g, dtype=torch.float64)
+    weight = 0.5 * torch.randn(37, 16, generator=g, dtype=torch.float64)
+    inputs = LossInputs(targets=targets, old_logp=old, advantages=adv, mask=mask, ref_logp=ref)
+    return hidden, weight, inputs, (targets, mask, old, ref, adv)
+
+
 def naive_logp_entropy(logits, targets, temperature):
     lsm = torch.log_softmax(logits.double() / temperature, dim=-1)
     logp = lsm.gather(-1, targets.clamp(min=0)[..., None]).squeeze(-1)

@@ -23,7 +23,7 @@ from megatron_rl.ops import (
     vocab_parallel_logprobs,
 )
 from megatron_rl.ops import vocab_parallel as vp
-from tests.fused_reference import make_inputs, naive_loss
+from tests.fused_reference import make_inputs, make_linear_inputs, naive_loss
 from tests.loss_cases import LOSS_CASES
 
 MiB = 2**20
@@ -187,11 +187,7 @@ def test_budget_does_not_change_results(monkeypatch, budget, dtype):
 def test_linear_budget_does_not_change_results(monkeypatch, budget):
     monkeypatch.setitem(vp.LINEAR_CHUNK_BYTES, "cpu", budget)
     cfg = LOSS_CASES["grpo_kl_k3_entropy"]
-    _, targets, mask, old, ref, adv = make_inputs(seed=22)
-    g = torch.Generator().manual_seed(3)
-    hidden = torch.randn(3, 7, 16, generator=g, dtype=torch.float64)
-    weight = 0.5 * torch.randn(37, 16, generator=g, dtype=torch.float64)
-    inputs = LossInputs(targets=targets, old_logp=old, advantages=adv, mask=mask, ref_logp=ref)
+    hidden, weight, inputs, (targets, mask, old, ref, adv) = make_linear_inputs(22, 3)
     want, want_grad, *_ = naive_loss(hidden @ weight.t(), targets, mask, old, ref, adv, cfg, temperature=1.0)
     h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
     out, _ = fused_linear_policy_loss(h, w, inputs, cfg)

@@ -15,7 +15,7 @@ from megatron_rl.ops import (
     vocab_parallel_logprobs,
     vocab_parallel_logprobs_from_hidden,
 )
-from tests.fused_reference import make_inputs, naive_logp_entropy, naive_loss
+from tests.fused_reference import make_inputs, make_linear_inputs, naive_logp_entropy, naive_loss
 from tests.loss_cases import LOSS_CASES, lopti_phase_for
 
 TOL = {torch.float64: 1e-12, torch.float32: 1e-5}
@@ -167,11 +167,7 @@ def test_no_gradient_pass_without_grad():
 def test_fused_linear_accumulates_into_main_grad():
     """Megatron-style ``main_grad``: dL/dW (unscaled loss sum) is added to the buffer."""
     cfg = LOSS_CASES["grpo_kl_k3_entropy"]
-    _, targets, mask, old, ref, adv = make_inputs(seed=12)
-    g = torch.Generator().manual_seed(1)
-    hidden = torch.randn(3, 7, 16, generator=g, dtype=torch.float64)
-    weight = 0.5 * torch.randn(37, 16, generator=g, dtype=torch.float64)
-    inputs = LossInputs(targets=targets, old_logp=old, advantages=adv, mask=mask, ref_logp=ref)
+    hidden, weight, inputs, _ = make_linear_inputs(12, 1)
     w1 = weight.clone().requires_grad_()
     out1, _ = fused_linear_policy_loss(hidden, w1, inputs, cfg)
     out1.loss_sum.backward()
