@@ -182,7 +182,8 @@ class AdvantageReweighting(TokenWeightMethod):
 
     def reweight_advantages(self, advantages, old_logp, valid, config):
         adv, weight = advantage_reweight(advantages, old_logp, valid, config.ar.alpha)
-        return adv, {"loss/ar/weight_mean": pair(weight.to(torch.float64)[valid].sum(), valid.sum())}
+        weight = weight.to(torch.float64)
+        return adv, {"loss/ar/weight_mean": pair(torch.where(valid, weight, torch.zeros_like(weight)).sum(), valid.sum())}
 
 
 @_register
@@ -349,7 +350,8 @@ def select_tokens(
         entropy=None if entropy is None else torch.where(valid, entropy, zeros),
     )
     if entropy is not None:
-        tokens.metrics["loss/entropy"] = pair(tokens.entropy.detach().to(torch.float64)[valid].sum(), tokens.num_valid)
+        # tokens.entropy is 0 where not valid: a plain sum (boolean indexing would sync a GPU)
+        tokens.metrics["loss/entropy"] = pair(tokens.entropy.detach().to(torch.float64).sum(), tokens.num_valid)
     for method in enabled_methods(config):
         if method is before:
             break

@@ -274,16 +274,16 @@ def _aggregation(
         return ones / n, torch.tensor(1.0, dtype=torch.float64)
     seq, num_seqs = _sequence_ids(counted, seq_index)
     if mode == "seq_mean_token_mean":
+        # No boolean-mask indexing here or below: on a GPU each would sync with the host.
         per_seq = torch.zeros(num_seqs, dtype=torch.float64, device=counted.device)
-        per_seq.index_add_(0, seq[counted], ones[counted])
-        coef = torch.zeros_like(ones)
-        coef[counted] = 1.0 / per_seq[seq[counted]]
+        per_seq.index_add_(0, seq.reshape(-1), counted.reshape(-1).to(torch.float64))
+        coef = torch.where(counted, 1.0 / per_seq[seq].clamp(min=1.0), torch.zeros_like(ones))
         # Tokens active but not counted cannot occur here: every active token is counted.
         return coef, (per_seq > 0).sum().to(torch.float64)
     if mode == "seq_mean_token_sum_norm":
-        has_valid = torch.zeros(num_seqs, dtype=torch.bool, device=counted.device)
-        has_valid[seq[valid]] = True
-        return ones, has_valid.sum().to(torch.float64) * float(config.constant_normalizer)
+        per_seq = torch.zeros(num_seqs, dtype=torch.float64, device=counted.device)
+        per_seq.index_add_(0, seq.reshape(-1), valid.reshape(-1).to(torch.float64))
+        return ones, (per_seq > 0).sum().to(torch.float64) * float(config.constant_normalizer)
     raise ValueError(f"unknown aggregation {mode!r}")
 
 
@@ -302,7 +302,8 @@ def _sequence_ids(mask: torch.Tensor, seq_index: torch.Tensor | None) -> tuple[t
 
 
 def _masked_pair(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    return pair(values.detach().to(torch.float64)[mask].sum(), mask.sum())
+    values = values.detach().to(torch.float64)
+    return pair(torch.where(mask, values, torch.zeros_like(values)).sum(), mask.sum())
 
 
 def merge_metrics(parts: Iterable[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
