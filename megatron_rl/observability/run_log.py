@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import warnings
 from pathlib import Path
 
 __all__ = ["LOG_DIR_ENV", "setup_process_logging", "setup_worker_logging"]
@@ -35,9 +36,24 @@ class _ScreenFilter(logging.Filter):
         return record.name.split(".")[0] == "megatron_rl" or record.levelno >= logging.ERROR
 
 
+_PACKAGE_DIR = str(Path(__file__).resolve().parents[1])
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """``warnings.showwarning`` of a run's processes: a warning raised in this package (or
+    of one of its warning classes) is a ``megatron_rl.warnings`` record, shown on screen
+    and written to the file; any other is a ``py.warnings`` record, written to the file
+    only."""
+    ours = str(filename).startswith(_PACKAGE_DIR) or category.__module__.split(".")[0] == "megatron_rl"
+    # Ours without the source line (``warnings.warn(``), which says nothing on a screen.
+    text = warnings.formatwarning(message, category, filename, lineno, "" if ours else line).rstrip()
+    logging.getLogger("megatron_rl.warnings" if ours else "py.warnings").warning("%s", text)
+
+
 def setup_process_logging(log_file: Path, *, console_level: int = logging.WARNING) -> None:
     """Send this process's log records (INFO and up, Python warnings included) to
-    ``log_file`` and only the project's (``console_level`` and up) and errors to stderr.
+    ``log_file`` and only the project's (``console_level`` and up, its own Python
+    warnings included) and errors to stderr.
     Idempotent: the handlers it added before are replaced."""
     log_file = Path(log_file)
     log_file.parent.mkdir(parents=True, exist_ok=True)
@@ -56,7 +72,7 @@ def setup_process_logging(log_file: Path, *, console_level: int = logging.WARNIN
         handler._megatron_rl = True  # type: ignore[attr-defined]
         root.addHandler(handler)
     root.setLevel(min(root.level or logging.WARNING, logging.INFO))
-    logging.captureWarnings(True)  # warnings.warn(...) becomes a "py.warnings" record: file only
+    warnings.showwarning = _show_warning
     # Ray's logger prints through a stderr handler of its own (not the root's): route it
     # through the handlers above, so its notices reach the file and its errors the screen.
     import ray  # noqa: F401  (installs that handler; imported here so it is there to replace)

@@ -171,3 +171,31 @@ def test_plot_run_writes_pngs_from_real_diagnostics(tmp_path):
     records = read_metrics(tmp_path)
     _, rows = binned_shares(records, BUCKET_GROUPS, width=5)
     assert math.isnan(rows[-1][0]), "the p < .25 bucket is empty at the end: a gap, not a stale share"
+
+
+def test_run_logging_keeps_the_projects_warnings_on_screen_and_every_notice_in_the_file(tmp_path):
+    """observability.run_log in a fresh process: a warning of the project (its own class, or
+    raised from its files) reaches stderr and the log file; a library's warning and a
+    library logger's notice reach the file only; any error reaches both."""
+    import subprocess
+    import sys
+
+    log = tmp_path / "logs" / "driver.log"
+    code = f"""
+import logging, warnings
+from megatron_rl.observability.run_log import setup_process_logging
+from megatron_rl.configlib.errors import ConfigWarning
+setup_process_logging({str(log)!r})
+warnings.warn(ConfigWarning("x", "ours: a config warning"))
+warnings.warn("theirs: Apex is not installed", UserWarning)
+logging.getLogger("ray._private.worker").warning("theirs: token notice")
+logging.getLogger("ray").error("theirs: an error")
+logging.getLogger("megatron_rl.pool").warning("ours: a pool warning")
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    screen, text = proc.stderr, log.read_text()
+    for line in ("ours: a config warning", "ours: a pool warning", "theirs: an error"):
+        assert line in screen and line in text, line
+    for line in ("theirs: Apex is not installed", "theirs: token notice"):
+        assert line not in screen and line in text, line
