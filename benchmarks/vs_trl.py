@@ -163,21 +163,17 @@ def _wait_idle(threshold: float, timeout_s: float) -> float:
     return os.getloadavg()[0]
 
 
-def _timed(cmd: list[str], env: dict[str, str]) -> tuple[float, int, subprocess.CompletedProcess]:
+def _timed(cmd: list[str], env: dict[str, str]) -> tuple[float, int]:
+    """Wall seconds and peak summed PSS of ``cmd`` (raises naming it when it fails)."""
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     pss = _PssPeak(proc.pid)
-    out, err = proc.communicate()
+    _, err = proc.communicate()
     wall = time.perf_counter() - start
     peak = pss.stop()
-    done = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
     if proc.returncode != 0:
         raise RuntimeError(f"{cmd[:4]} exited {proc.returncode}: {err.strip().splitlines()[-5:]}")
-    return wall, peak, done
-
-
-def _median_after(values: list[float], skip: int) -> float:
-    return statistics.median(values[skip:])
+    return wall, peak
 
 
 def main() -> None:
@@ -207,19 +203,19 @@ def main() -> None:
             # TRL
             load = _wait_idle(args.idle_load, args.idle_timeout_s)
             out = work / f"trl_seed{seed}.json"
-            wall, pss, _ = _timed([args.trl_python, __file__, "--steps", str(args.steps), "--trl-run", str(work),
+            wall, pss = _timed([args.trl_python, __file__, "--steps", str(args.steps), "--trl-run", str(work),
                                    str(seed), str(out)], env)  # fmt: skip
             trl = json.loads(out.read_text())
-            runs["trl"].append({"seed": seed, "step_s": _median_after(trl["step_s"], skip), "process_s": wall,
+            runs["trl"].append({"seed": seed, "step_s": statistics.median(trl["step_s"][skip:]), "process_s": wall,
                                 "pss_peak_bytes": pss, "reward": trl["reward"], "load_before": load})  # fmt: skip
             print(json.dumps({"bench": "vs_trl", "framework": "trl", **runs["trl"][-1]}), flush=True)
             # megatron_rl
             load = _wait_idle(args.idle_load, args.idle_timeout_s)
             cfg = _ours_config(work, work / "model", args.steps, seed)
-            wall, pss, _ = _timed([sys.executable, "-m", "megatron_rl", "train", str(cfg)], env)
+            wall, pss = _timed([sys.executable, "-m", "megatron_rl", "train", str(cfg)], env)
             records = read_metrics(work / "runs" / f"ours_seed{seed}")
             runs["megatron_rl"].append({
-                "seed": seed, "step_s": _median_after([r["timing_s/step"] for r in records], skip),
+                "seed": seed, "step_s": statistics.median(r["timing_s/step"] for r in records[skip:]),
                 "process_s": wall, "pss_peak_bytes": pss, "reward": [r["rollout/reward/mean"] for r in records],
                 "load_before": load,
             })  # fmt: skip

@@ -142,13 +142,11 @@ def _placements(config: RunConfig) -> tuple[GroupPlacement, GroupPlacement, RunP
     """Actor and engine placements: placement groups on a GPU cluster (a layout that does
     not fit raises ``PlacementError`` before any actor starts), plain options on CPU."""
     nodes = alive_nodes()
+    threads = cpu_threads(config.parallel, config.rollout, nodes)
     if not any(n.num_gpus for n in nodes):
-        threads = cpu_threads(config.parallel, config.rollout, nodes)
         actors = actor_placement(config.parallel, torch_threads=threads)
         return actors, engine_placement(config.rollout, config.parallel, torch_threads=threads), None
-    placed = place_on_gpus(
-        plan_gpu_placement(config.parallel, config.rollout, nodes), torch_threads=config.parallel.cpu_threads or 1
-    )
+    placed = place_on_gpus(plan_gpu_placement(config.parallel, config.rollout, nodes), torch_threads=threads)
     return placed.actor, placed.engines, placed
 
 

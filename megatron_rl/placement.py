@@ -295,10 +295,13 @@ def place_on_gpus(plan: PlacementPlan, *, timeout_s: float = 300.0, torch_thread
 
 
 def cpu_threads(parallel: ParallelConfig, rollout: RolloutConfig, nodes: list[NodeInfo]) -> int:
-    """Torch threads per actor rank and per engine on a CPU cluster: ``parallel.cpu_threads``,
-    or the smallest node's CPUs over the larger group (the two groups take turns)."""
+    """Torch threads per actor rank and per engine: ``parallel.cpu_threads``, else 1 on a
+    GPU cluster (the device does the work), else the smallest node's CPUs over the larger
+    group (the two groups take turns)."""
     if parallel.cpu_threads is not None:
         return parallel.cpu_threads
+    if any(n.num_gpus for n in nodes):
+        return 1
     cores = min((n.num_cpus for n in nodes), default=1)
     return max(1, cores // max(parallel.num_actor_ranks, rollout.num_engines, 1))
 

@@ -42,6 +42,8 @@ from megatron_rl.weight_transfer.meta import TensorMeta, dtype_of
 
 __all__ = ["ActorGroup", "ActorWorker", "NonFiniteStepsError", "is_hf_directory"]
 
+logger = logging.getLogger(__name__)
+
 
 def is_hf_directory(source: str) -> bool:
     """Whether ``source`` is a HF model directory (``config.json`` and safetensors), not a
@@ -49,8 +51,6 @@ def is_hf_directory(source: str) -> bool:
     path = Path(source)
     return (path / "config.json").exists() and any(path.glob("*.safetensors"))
 
-
-logger = logging.getLogger(__name__)
 
 class NonFiniteStepsError(RuntimeError):
     """Too many consecutive steps had a non-finite loss or gradient norm."""

@@ -145,12 +145,11 @@ def update_policy(
                 grad_norms[rows] = actor.last_token_grad_norms
             if on_policy:
                 batch.old_logp[rows] = actor.last_train_logp
-                if batch.engine_logp is not None:  # metrics only: TIS turns this path off
-                    mismatch = logprob_mismatch(batch.engine_logp, batch.old_logp, batch.loss_mask, tis_cap=None)
-                    metrics.update(mismatch.metrics)
             for key, v in m.items():
                 sums[key] += v
             updates += 1
+    if from_forward and batch.engine_logp is not None:  # metrics only: TIS turns this path off
+        metrics.update(logprob_mismatch(batch.engine_logp, batch.old_logp, batch.loss_mask).metrics)
     skipped = sums.get("actor/step_skipped", 0.0)
     metrics.update({k: v / updates for k, v in sums.items()})
     metrics["actor/step_skipped"] = skipped

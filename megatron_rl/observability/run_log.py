@@ -36,7 +36,7 @@ class _ScreenFilter(logging.Filter):
         return record.name.split(".")[0] == "megatron_rl" or record.levelno >= logging.ERROR
 
 
-_PACKAGE_DIR = str(Path(__file__).resolve().parents[1])
+_PACKAGE_DIR = str(Path(__file__).resolve().parents[1]) + os.sep  # .../megatron_rl/
 
 
 def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:

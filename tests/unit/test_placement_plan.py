@@ -73,3 +73,7 @@ def test_cpu_threads_default_shares_the_smallest_node_between_the_larger_group()
     assert threads([2], 4, 1) == 1  # never below 1
     assert threads([], 1, 1) == 1
     assert threads([16], 1, 1, cpu_threads=3) == 3  # set explicitly: used as given
+    gpu_nodes = [NodeInfo("g0", "10.0.1.0", 8, 64)]
+    parallel, rollout = ParallelConfig(), RolloutConfig()
+    assert cpu_threads(parallel, rollout, gpu_nodes) == 1  # GPUs do the work: one thread per process
+    assert cpu_threads(ParallelConfig(cpu_threads=4), rollout, gpu_nodes) == 4
