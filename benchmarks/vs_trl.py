@@ -156,7 +156,7 @@ class _PssPeak:
         return self.peak
 
 
-def _wait_idle(threshold: float, timeout_s: float) -> float:
+def wait_idle(threshold: float, timeout_s: float) -> float:
     deadline = time.monotonic() + timeout_s
     while os.getloadavg()[0] > threshold and time.monotonic() < deadline:
         time.sleep(5)
@@ -201,7 +201,7 @@ def main() -> None:
         for seed in range(args.seeds):
             _model(work / "model", seed)
             # TRL
-            load = _wait_idle(args.idle_load, args.idle_timeout_s)
+            load = wait_idle(args.idle_load, args.idle_timeout_s)
             out = work / f"trl_seed{seed}.json"
             wall, pss = _timed([args.trl_python, __file__, "--steps", str(args.steps), "--trl-run", str(work),
                                    str(seed), str(out)], env)  # fmt: skip
@@ -210,7 +210,7 @@ def main() -> None:
                                 "pss_peak_bytes": pss, "reward": trl["reward"], "load_before": load})  # fmt: skip
             print(json.dumps({"bench": "vs_trl", "framework": "trl", **runs["trl"][-1]}), flush=True)
             # megatron_rl
-            load = _wait_idle(args.idle_load, args.idle_timeout_s)
+            load = wait_idle(args.idle_load, args.idle_timeout_s)
             cfg = _ours_config(work, work / "model", args.steps, seed)
             wall, pss = _timed([sys.executable, "-m", "megatron_rl", "train", str(cfg)], env)
             records = read_metrics(work / "runs" / f"ours_seed{seed}")

@@ -146,7 +146,7 @@ class MegatronActor(PolicyModel):
 
         Applies the methods' advantage reweighting to ``batch.advantages`` (from
         ``old_logp``), runs the pre-pass when a method needs one, then megatron's
-        forward-backward schedule over padded-token-budget micro-batches with the fused
+        forward-backward schedule over token-budget micro-batches (packed or padded) with the fused
         vocab-parallel loss at the spec's temperature (like ``old_logp``), then the step.
 
         Metrics (identical on every rank except the two timings, which are this rank's):
@@ -154,6 +154,7 @@ class MegatronActor(PolicyModel):
         before clipping), ``actor/lr`` (used by this step), ``actor/step_skipped`` (1.0 when
         the loss or grad norm was not finite), ``actor/skipped_steps_total``,
         ``actor/optimizer_steps_total``, ``actor/num_microbatches`` (summed over DP),
+        ``actor/padding_fraction`` (padding tokens / tokens run, over micro-batches and DP),
         ``timing_s/train_forward_backward``, ``timing_s/train_optimizer``, and the loss
         library's ``loss/*`` metrics as global means (sums of ``[sum, count]`` pairs over
         micro-batches and DP, then divided; ``loss/active_tokens`` is a global count).
@@ -202,7 +203,10 @@ class MegatronActor(PolicyModel):
         fb_time = time.perf_counter() - start
         if self.groups.is_last_stage:
             count = torch.tensor([float(len(microbatches)), 1.0], dtype=torch.float64)
-            reports = reports + [{"num_microbatches": count}] + ([reweight_metrics] if reweight_metrics else [])
+            tokens = sum(mb.num_tokens_padded for mb in microbatches)
+            padding = torch.tensor([tokens - sum(mb.num_real_tokens for mb in microbatches), tokens], dtype=torch.float64)
+            shape = {"num_microbatches": count, "actor/padding_fraction": padding}
+            reports = reports + [shape] + ([reweight_metrics] if reweight_metrics else [])
         merged = reduce_reports(self.groups, reports)
         loss_pair = merged.pop("loss")
         num_microbatches = float(merged.pop("num_microbatches")[0])

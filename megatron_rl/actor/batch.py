@@ -15,8 +15,21 @@ Padding: sequences are RIGHT-padded (``attention_mask`` is ones then zeros per r
 Attention is causal with no padding mask, which is exact for right padding (a real
 token never attends to a later pad). Positions are ``0..L-1``: megatron's RoPE uses the
 position in the sequence, so ``position_ids``, if given, must be that ``arange``.
-Packed (unpadded) sequences are not supported. Micro-batches may be padded further, to
-a sequence multiple the kernels need (``make_microbatches(pad_to_multiple_of=...)``).
+
+Micro-batches come in two layouts (``make_microbatches(pack=...)``,
+``trainer.pack_sequences``):
+
+- padded: ``[b, s]``, the micro-batch's rows trimmed to its longest sequence
+  (:func:`plan_microbatches` groups similar lengths);
+- packed: ``[1, S]``, whole sequences laid end to end without padding
+  (:func:`plan_packs` fills a token budget), with ``cu_seqlens`` marking the sequence
+  boundaries. The model attends within a sequence only and restarts RoPE positions at
+  each boundary (megatron's packed-sequence path, ``PackedSeqParams`` in THD layout);
+  every target, mask and RL tensor is shifted per sequence, so nothing crosses a
+  boundary.
+
+Either may be padded further at the end, to a sequence multiple the kernels need
+(``pad_to_multiple_of``); in a packed micro-batch that padding is a segment of its own.
 """
 
 from __future__ import annotations
@@ -25,7 +38,7 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
-__all__ = ["ActorBatch", "MicroBatch", "plan_microbatches", "make_microbatches"]
+__all__ = ["ActorBatch", "MicroBatch", "make_microbatches", "plan_microbatches", "plan_packs"]
 
 
 @dataclass(kw_only=True)
@@ -118,22 +131,31 @@ def _index(t: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor | None:
 
 @dataclass(kw_only=True)
 class MicroBatch:
-    """One forward/backward unit, trimmed to its longest sequence, in TARGET alignment.
+    """One forward/backward unit in TARGET alignment, padded ``[b, s]`` or packed ``[1, S]``.
 
-    ``rows`` index the sequences in the batch the micro-batch was cut from. Token tensors
-    are ``[b, s]``; column ``t`` holds the prediction made at position ``t``: the target is
-    ``input_ids[:, t + 1]`` (0 in the last column), and the per-token RL tensors are the
-    input-aligned ones shifted left by one.
+    ``rows`` index the sequences in the batch the micro-batch was cut from. Padded, token
+    tensors are ``[b, s]`` (``s`` = longest sequence); column ``t`` holds the prediction
+    made at position ``t``: the target is ``input_ids[:, t + 1]`` (0 in the last column),
+    and the per-token RL tensors are the input-aligned ones shifted left by one. Packed,
+    they are ``[1, S]``: the sequences ``rows`` end to end (``cu_seqlens``), each shifted
+    on its own (its last token has target 0 and no mask), then the alignment padding.
     """
 
     rows: torch.Tensor
-    """``[b]`` int64 row indices into the batch the micro-batch was cut from."""
+    """``[b]`` int64 row indices into the batch the micro-batch was cut from (pack order)."""
     input_ids: torch.Tensor
-    """``[b, s]`` model input (``s`` = longest sequence of the micro-batch)."""
+    """``[b, s]`` model input (``s`` = longest sequence of the micro-batch), or ``[1, S]`` packed."""
     targets: torch.Tensor
-    """``[b, s]`` ``input_ids`` shifted left by one (0 in the last column)."""
+    """``input_ids`` shifted left by one within each sequence (0 at each sequence's end)."""
     target_mask: torch.Tensor
-    """``[b, s]`` bool, positions whose target is a real token (for log-probs)."""
+    """bool, positions whose target is a real token (for log-probs)."""
+    cu_seqlens: torch.Tensor | None = None
+    """Packed only: ``[k + 1]`` int32 offsets of the segments in the row: the ``b`` sequences,
+    then the alignment padding as one more segment when there is any (``cu_seqlens[-1] = S``)."""
+    max_seqlen: int = 0
+    """Packed only: the longest segment (megatron sizes the RoPE table from it)."""
+    num_real_tokens: int = 0
+    """Tokens of the sequences themselves (the rest of ``input_ids`` is padding)."""
     loss_mask: torch.Tensor | None = None
     """``[b, s]`` predictions to train on (shifted ``loss_mask``)."""
     old_logp: torch.Tensor | None = None
@@ -145,7 +167,47 @@ class MicroBatch:
 
     @property
     def num_tokens_padded(self) -> int:
+        """Tokens the model runs on, padding included."""
         return int(self.input_ids.numel())
+
+    @property
+    def padding_fraction(self) -> float:
+        """Share of the tokens the model runs on that are padding."""
+        return 1.0 - self.num_real_tokens / self.num_tokens_padded
+
+    @property
+    def packed(self) -> bool:
+        return self.cu_seqlens is not None
+
+    def segment_ids(self) -> torch.Tensor:
+        """``[1, S]`` int64 segment of each packed position (``0..b-1`` the sequences, ``b``
+        the alignment padding): the sequence ids of seq-mean aggregation."""
+        cu = self.cu_seqlens.to(self.input_ids.device, torch.int64)
+        positions = torch.arange(self.input_ids.shape[1], device=cu.device)
+        return (torch.searchsorted(cu[1:], positions, right=True))[None]
+
+    def position_ids(self) -> torch.Tensor:
+        """RoPE positions, ``[b, s]`` (``0..s-1`` per row) or ``[1, S]`` restarting at 0 at
+        each packed sequence."""
+        b, s = self.input_ids.shape
+        positions = torch.arange(s, device=self.input_ids.device)
+        if not self.packed:
+            return positions.expand(b, s)
+        starts = self.cu_seqlens.to(positions.device, torch.int64)[self.segment_ids()[0]]
+        return (positions - starts)[None]
+
+    def per_row(self, values: torch.Tensor) -> torch.Tensor:
+        """Target-aligned per-token ``values`` (``[b, s]``, or ``[1, S]`` packed) as one
+        zero-padded row per sequence of ``rows``: ``[len(rows), s]``, ``s`` the longest."""
+        values = values.reshape(self.input_ids.shape)
+        if not self.packed:
+            return values
+        lengths = self.cu_seqlens[1 : len(self.rows) + 1] - self.cu_seqlens[: len(self.rows)]
+        longest = int(lengths.max())
+        valid = torch.arange(longest)[None, :] < lengths[:, None].cpu()
+        out = values.new_zeros(len(self.rows), longest)
+        out[valid.to(values.device)] = values[0, : int(self.cu_seqlens[len(self.rows)])]
+        return out
 
 
 def plan_microbatches(lengths: list[int], max_tokens: int) -> list[list[int]]:
@@ -176,6 +238,31 @@ def plan_microbatches(lengths: list[int], max_tokens: int) -> list[list[int]]:
     return plan
 
 
+def plan_packs(lengths: list[int], max_tokens: int) -> list[list[int]]:
+    """Group sequence indices into packs of at most ``max_tokens`` REAL tokens.
+
+    First-fit decreasing: sequences are taken longest first (stable) and each goes into
+    the first pack with room for it, so packs come out nearly full whatever the length
+    mix; a sequence longer than the budget gets a pack of its own. Within a pack the
+    sequences keep the order they were added in. Deterministic (every rank of a
+    model-parallel group computes the same plan).
+    """
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    packs: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        for k, free in enumerate(room):
+            if lengths[i] <= free:
+                packs[k].append(i)
+                room[k] -= lengths[i]
+                break
+        else:
+            packs.append([i])
+            room.append(max_tokens - lengths[i])
+    return packs
+
+
 def _shift_left(t: torch.Tensor | None, fill: float = 0) -> torch.Tensor | None:
     if t is None:
         return None
@@ -185,18 +272,28 @@ def _shift_left(t: torch.Tensor | None, fill: float = 0) -> torch.Tensor | None:
 
 
 def make_microbatches(
-    batch: ActorBatch, max_tokens: int, *, device: torch.device | str = "cpu", pad_to_multiple_of: int = 1
+    batch: ActorBatch,
+    max_tokens: int,
+    *,
+    device: torch.device | str = "cpu",
+    pad_to_multiple_of: int = 1,
+    pack: bool = False,
 ) -> list[MicroBatch]:
-    """Cut ``batch`` into micro-batches (:func:`plan_microbatches`), in target alignment.
+    """Cut ``batch`` into micro-batches in target alignment: padded ``[b, s]``
+    (:func:`plan_microbatches`) or, with ``pack``, packed ``[1, S]`` (:func:`plan_packs`).
 
-    Each micro-batch is trimmed to its longest sequence, rounded up to a multiple of
-    ``pad_to_multiple_of`` (what Transformer Engine's FP8 GEMMs or sequence parallelism
-    need); padding columns hold token 0 and are masked out of everything, so they change
-    no log-prob, loss or gradient. The budget counts the padded lengths.
+    Padded micro-batches are trimmed to their longest sequence and rounded up to a
+    multiple of ``pad_to_multiple_of`` (what Transformer Engine's FP8 GEMMs or sequence
+    parallelism need); the budget counts the padded lengths. Packed ones hold whole
+    sequences end to end and are rounded up as a whole, so one pack may exceed the budget
+    by less than the multiple. Padding holds token 0 and is masked out of everything, so
+    it changes no log-prob, loss or gradient.
     """
     if pad_to_multiple_of < 1:
         raise ValueError(f"pad_to_multiple_of must be >= 1, got {pad_to_multiple_of}")
     lengths = batch.lengths.tolist()
+    if pack:
+        return [_pack(batch, rows, lengths, device, pad_to_multiple_of) for rows in plan_packs(lengths, max_tokens)]
     padded = [-(-n // pad_to_multiple_of) * pad_to_multiple_of for n in lengths]
     out = []
     for rows in plan_microbatches(padded, max_tokens):
@@ -224,6 +321,43 @@ def make_microbatches(
                 old_logp=_shift_left(cut(sub.old_logp)),
                 ref_logp=_shift_left(cut(sub.ref_logp)),
                 advantages=_shift_left(cut(sub.advantages)),
+                num_real_tokens=sum(lengths[i] for i in rows),
             )
         )
     return out
+
+
+def _pack(batch: ActorBatch, rows: list[int], lengths: list[int], device, multiple: int) -> MicroBatch:
+    """The sequences ``rows`` of ``batch`` end to end in one ``[1, S]`` row, each shifted to
+    target alignment on its own, then padded to a multiple of ``multiple``."""
+    index = torch.tensor(rows, dtype=torch.long)
+    sub = batch.select(index)
+    s = max(lengths[i] for i in rows)
+    real = sub.attention_mask[:, :s].bool()
+    total = sum(lengths[i] for i in rows)
+    tail = -(-total // multiple) * multiple - total
+
+    def flat(t: torch.Tensor | None, fill=0) -> torch.Tensor | None:
+        # Shift each row on its own, then keep its real positions: row-major order lays the
+        # sequences end to end, and a sequence's last token keeps the shift's fill value.
+        if t is None:
+            return None
+        out = _shift_left(t[:, :s], fill)[real]
+        return torch.nn.functional.pad(out, (0, tail), value=fill)[None].to(device)
+
+    ids = sub.input_ids[:, :s].long()
+    bounds = [0] + [lengths[i] for i in rows] + ([tail] if tail else [])
+    cu_seqlens = torch.tensor(bounds, dtype=torch.int64).cumsum(0).to(torch.int32)
+    return MicroBatch(
+        rows=index,
+        input_ids=torch.nn.functional.pad(ids[real], (0, tail))[None].to(device),
+        targets=flat(ids),
+        target_mask=flat(real, False),
+        loss_mask=flat(sub.loss_mask),
+        old_logp=flat(sub.old_logp),
+        ref_logp=flat(sub.ref_logp),
+        advantages=flat(sub.advantages),
+        cu_seqlens=cu_seqlens,
+        max_seqlen=max(bounds[1:]),
+        num_real_tokens=total,
+    )

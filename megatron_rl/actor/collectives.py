@@ -42,8 +42,8 @@ def gather_token_values(
     microbatches: list[MicroBatch],
     values: list[list[torch.Tensor]],
 ) -> torch.Tensor:
-    """Per-micro-batch, target-aligned ``[b, s]`` values (last stage) as input-aligned
-    ``[K, n, length]`` float32 on EVERY rank.
+    """Per-micro-batch, target-aligned values (last stage; ``[b, s]``, or ``[1, S]`` packed)
+    as input-aligned ``[K, n, length]`` float32 on EVERY rank.
 
     Each value is shifted by one column (target column ``t`` predicts input column
     ``t + 1``), this DP rank's rows (``dp_rank::dp_size``, ``num_local`` of them) are
@@ -53,10 +53,10 @@ def gather_token_values(
     k = broadcast_from_last_stage(len(values[0]) if values else 0, groups)
     local = torch.zeros(k, num_local, length, dtype=torch.float32, device=device())
     for mb, vals in zip(microbatches, values):
-        s = mb.input_ids.shape[1]
-        w = min(s, length)  # a micro-batch padded past the batch's width: drop the padding
         for j, v in enumerate(vals):
-            local[j, mb.rows, 1:w] = v.reshape(-1, s)[:, : w - 1].float()
+            rows = mb.per_row(v)  # [b, s]: one zero-padded row per sequence
+            w = min(rows.shape[1], length)  # a micro-batch padded past the batch's width: drop the padding
+            local[j, mb.rows, 1:w] = rows[:, : w - 1].float()
     full = torch.zeros(k, n, length, dtype=torch.float32, device=device())
     if groups.is_last_stage:
         per_rank = -(-n // groups.dp_size)

@@ -18,18 +18,24 @@ __all__ = ["final_hidden_states", "output_weight"]
 
 
 def final_hidden_states(
-    gpt, input_ids: torch.Tensor, position_ids: torch.Tensor, *, attention_mask: torch.Tensor | None = None
+    gpt,
+    input_ids: torch.Tensor,
+    position_ids: torch.Tensor,
+    *,
+    attention_mask: torch.Tensor | None = None,
+    packed_seq_params=None,
 ) -> torch.Tensor:
     """``[s, b, H]`` hidden states after the final norm, the full sequence on every TP rank.
 
     ``gpt`` is one stage's ``GPTModel`` (the last stage: ``post_process=True``); on a
     later pipeline stage its decoder reads the input the schedule set with
-    ``set_input_tensor``. Differentiable: with sequence parallelism the gather's backward
+    ``set_input_tensor``. ``packed_seq_params``: megatron's ``PackedSeqParams`` of packed
+    sequences (``s`` is then the pack, ``b`` 1). Differentiable: with sequence parallelism the gather's backward
     takes this rank's sequence slice of the (TP-summed) gradient.
     """
     from megatron.core import tensor_parallel
 
-    pre = gpt._preprocess(input_ids=input_ids, position_ids=position_ids)
+    pre = gpt._preprocess(input_ids=input_ids, position_ids=position_ids, packed_seq_params=packed_seq_params)
     decoder_input, rotary_pos_emb, rotary_pos_cos, rotary_pos_sin, sequence_len_offset = pre[:5]
     hidden = gpt.decoder(
         hidden_states=decoder_input,
@@ -38,6 +44,7 @@ def final_hidden_states(
         rotary_pos_cos=rotary_pos_cos,
         rotary_pos_sin=rotary_pos_sin,
         sequence_len_offset=sequence_len_offset,
+        packed_seq_params=packed_seq_params,
     )
     if gpt.config.sequence_parallel:
         # The fused op sums the hidden-state gradient over the TP group itself, so the

@@ -13,8 +13,10 @@ two ways (``actor.loss_impl``):
 - ``logits``: megatron's output layer materialises the vocab-parallel logits ``[b, s, V/TP]``.
 
 Both give the same values (float32: within 1e-6; the tests check losses, gradients and
-updated weights). Micro-batches are padded to the sequence multiple the kernels need
-(:func:`pad_multiple`).
+updated weights). Micro-batches are packed (``trainer.pack_sequences``: whole sequences
+end to end, megatron's ``PackedSeqParams`` in THD layout; Transformer Engine's attention
+on GPUs, ``models.attention.PackedDotProductAttention`` in the local spec) or padded,
+and padded at the end to the sequence multiple the kernels need (:func:`pad_multiple`).
 """
 
 from __future__ import annotations
@@ -123,7 +125,11 @@ class PolicyModel:
 
     def _microbatches(self, batch: ActorBatch) -> list[MicroBatch]:
         return make_microbatches(
-            batch, self.spec.trainer.max_tokens_per_microbatch, device=device(), pad_to_multiple_of=self.pad_multiple
+            batch,
+            self.spec.trainer.max_tokens_per_microbatch,
+            device=device(),
+            pad_to_multiple_of=self.pad_multiple,
+            pack=self.spec.trainer.pack_sequences,
         )
 
     def _vocab_options(self, temperature: float) -> VocabParallelOptions:
@@ -144,13 +150,13 @@ class PolicyModel:
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
-            b, s = mb.input_ids.shape
-            positions = torch.arange(s, device=mb.input_ids.device).expand(b, s)
-            mask = self._attention_mask(s, mb.input_ids.device)
+            packed = _packed_seq_params(mb)
+            mask = None if packed else self._attention_mask(mb.input_ids.shape[1], mb.input_ids.device)
+            inputs = dict(attention_mask=mask, packed_seq_params=packed)
             if hidden_only:
-                output = final_hidden_states(self.model, mb.input_ids, positions, attention_mask=mask)
+                output = final_hidden_states(self.model, mb.input_ids, mb.position_ids(), **inputs)
             else:  # labels=None: the last stage returns vocab-parallel logits [b, s, V/TP]
-                output = model(mb.input_ids, positions, attention_mask=mask)
+                output = model(mb.input_ids, mb.position_ids(), **inputs)
             return output, partial(loss_func, mb)
 
         with cpu_shim.cuda_to_cpu():
@@ -199,15 +205,18 @@ class PolicyModel:
         With the fused lm-head, the output-layer gradient is accumulated straight into
         its ``main_grad`` (megatron DDP's grad buffer, reduced and divided by the global
         count in ``finalize_model_grads``) during forward."""
+        # Sequence ids keep seq-mean aggregation per sequence: a pack's segments (padded
+        # [b, s] rows are sequences by themselves).
+        seq_index = mb.segment_ids() if mb.packed else None
         if not self.fused_linear:
-            out, stats = fused_policy_loss(output, inputs, algorithm, options)
+            out, stats = fused_policy_loss(output, replace(inputs, seq_index=seq_index), algorithm, options)
             norms = self.token_values(mb, stats.logit_grad_norm) if options.token_grad_norms else None
             return out, stats, norms
         b, s = mb.targets.shape
-        # The op works in megatron's [s, b] layout; sequence ids keep seq-mean aggregation per row.
+        if seq_index is None:  # the op works in megatron's [s, b] layout: name the rows
+            seq_index = torch.arange(b, device=mb.targets.device)[:, None].expand(b, s)
         transposed = {name: getattr(inputs, name).t() for name in _TOKEN_FIELDS if getattr(inputs, name) is not None}
-        seq_index = torch.arange(b, device=mb.targets.device).expand(s, b)
-        inputs_sb = replace(inputs, **transposed, seq_index=seq_index)
+        inputs_sb = replace(inputs, **transposed, seq_index=seq_index.t())
         weight = output_weight(self.model)
         main_grad = getattr(weight, "main_grad", None) if torch.is_grad_enabled() else None
         out, stats = fused_linear_policy_loss(output, weight, inputs_sb, algorithm, options, weight_main_grad=main_grad)
@@ -300,6 +309,17 @@ class PolicyModel:
             gated_linear_unit=bool(self.transformer_config.gated_linear_unit),
             bucket_bytes=bucket_bytes,
         )
+
+
+def _packed_seq_params(mb: MicroBatch):
+    """megatron's ``PackedSeqParams`` (THD) of a packed micro-batch; ``None`` when padded."""
+    if not mb.packed:
+        return None
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    cu = mb.cu_seqlens.to(mb.input_ids.device)
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=mb.max_seqlen,
+                           max_seqlen_kv=mb.max_seqlen)  # fmt: skip
 
 
 def _source_dir(source: Any) -> Path | None:

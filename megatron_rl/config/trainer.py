@@ -83,8 +83,15 @@ class TrainerConfig(OptimConfig):
     """Passes over the step's responses (each pass makes ``num_minibatches_per_step`` updates)."""
 
     max_tokens_per_microbatch: int = 4096
-    """Token budget of one forward/backward micro-batch (responses are packed up to it);
-    a mini-batch's gradient is accumulated over its micro-batches."""
+    """Token budget of one forward/backward micro-batch; a mini-batch's gradient is
+    accumulated over its micro-batches. Packed: real tokens (plus the alignment padding
+    of the pack's end); padded: rows x the longest row."""
+
+    pack_sequences: bool = True
+    """Lay whole sequences end to end in each micro-batch (no padding; attention within a
+    sequence, RoPE positions restarting at each) for the actor's and the reference
+    policy's forward/backward and log-prob passes; false pads every row to the
+    micro-batch's longest (results agree within float rounding)."""
 
     seed: int = 1234
     """Seed of model init, data order and sampling, in [0, 2**63 - 1]."""

@@ -465,8 +465,10 @@ class DecoderAdapter:
 
         ``use_te=None`` picks the Transformer-Engine spec only on a CUDA machine where
         ``transformer_engine`` imports, else the local (pure megatron-core) spec. Both
-        give the same checkpoint keys. megatron-core's local norm refuses sequence
-        parallelism, so with ``sequence_parallel`` the local spec's norms are
+        give the same checkpoint keys. The local spec's core attention is
+        :class:`~megatron_rl.models.attention.PackedDotProductAttention` (megatron's, plus
+        packed sequences). megatron-core's local norm refuses sequence parallelism, so
+        with ``sequence_parallel`` the local spec's norms are
         :class:`~megatron_rl.models.norms.SequenceParallelRMSNorm` (the block's final norm
         must then be one too: the actor builds the block spec).
         """
@@ -479,9 +481,7 @@ class DecoderAdapter:
         if use_te:
             return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=self.qk_norm)
         spec = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=self.qk_norm, normalization="RMSNorm")
-        if not sequence_parallel:
-            return spec
-        return _with_sequence_parallel_norms(spec, qk_norm=self.qk_norm)
+        return _local_spec(spec, qk_norm=self.qk_norm, sequence_parallel=sequence_parallel)
 
     # -- weights -------------------------------------------------------------
 
@@ -544,21 +544,22 @@ class DecoderAdapter:
         return ignorable
 
 
-def _with_sequence_parallel_norms(layer_spec, *, qk_norm: bool):
-    """The local layer spec with every norm swapped for one that supports sequence parallelism."""
+def _local_spec(layer_spec, *, qk_norm: bool, sequence_parallel: bool):
+    """megatron's local layer spec with the core attention that takes packed sequences and,
+    with ``sequence_parallel``, every norm swapped for one that supports it."""
+    from megatron_rl.models.attention import PackedDotProductAttention
     from megatron_rl.models.norms import SequenceParallelRMSNorm
 
     layer = layer_spec.submodules
     attention = layer.self_attention
-    attn_sub = attention.submodules
-    if qk_norm:  # per-head norms (their grads are summed over TP by name, whatever the attribute)
-        attn_sub = dataclasses.replace(attn_sub, q_layernorm=SequenceParallelRMSNorm, k_layernorm=SequenceParallelRMSNorm)
-    layer = dataclasses.replace(
-        layer,
-        input_layernorm=SequenceParallelRMSNorm,
-        pre_mlp_layernorm=SequenceParallelRMSNorm,
-        self_attention=dataclasses.replace(attention, submodules=attn_sub),
-    )
+    attn_sub = dataclasses.replace(attention.submodules, core_attention=PackedDotProductAttention)
+    norms = {}
+    if sequence_parallel:
+        norms = dict(input_layernorm=SequenceParallelRMSNorm, pre_mlp_layernorm=SequenceParallelRMSNorm)
+        if qk_norm:  # per-head norms (their grads are summed over TP by name, whatever the attribute)
+            attn_sub = dataclasses.replace(attn_sub, q_layernorm=SequenceParallelRMSNorm,
+                                           k_layernorm=SequenceParallelRMSNorm)  # fmt: skip
+    layer = dataclasses.replace(layer, self_attention=dataclasses.replace(attention, submodules=attn_sub), **norms)
     return dataclasses.replace(layer_spec, submodules=layer)
 
 

@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_rl.actor.batch import ActorBatch, make_microbatches, plan_microbatches
+from megatron_rl.actor.batch import ActorBatch, make_microbatches, plan_microbatches, plan_packs
 from megatron_rl.actor.weights import concat_tp_shards, take_tp_shard
 from megatron_rl.config import ModelOptions
 
@@ -48,6 +48,54 @@ def test_microbatches_are_target_aligned():
     # Row 2 has 3 tokens: predictions exist for targets 1 and 2 only.
     assert mb.target_mask[1].tolist() == [True, True, False, False, False]
     assert mb.loss_mask[1].tolist() == [0, 1, 0, 0, 0]  # input token 2 is the only response token
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(1, 40), min_size=1, max_size=30), st.integers(1, 120))
+def test_packs_respect_the_real_token_budget(lengths, budget):
+    plan = plan_packs(lengths, budget)
+    assert sorted(i for pack in plan for i in pack) == list(range(len(lengths)))
+    for pack in plan:
+        assert sum(lengths[i] for i in pack) <= budget or len(pack) == 1
+    # First-fit decreasing: no later pack's first sequence would have fitted an earlier pack.
+    for k, pack in enumerate(plan):
+        for earlier in plan[:k]:
+            assert sum(lengths[i] for i in earlier) + lengths[pack[0]] > budget
+    assert plan == plan_packs(lengths, budget)  # deterministic
+
+
+def test_packed_microbatches_shift_each_sequence_on_its_own():
+    batch = _batch([8, 5, 3])
+    (mb,) = make_microbatches(batch, max_tokens=16, pack=True, pad_to_multiple_of=4)
+    assert mb.rows.tolist() == [0, 1, 2] and mb.input_ids.shape == (1, 16)
+    assert mb.cu_seqlens.tolist() == [0, 8, 13, 16] and mb.max_seqlen == 8
+    assert mb.num_real_tokens == 16 and mb.padding_fraction == 0.0
+    ends = [7, 12, 15]  # each sequence's last token predicts nothing (no target from the next sequence)
+    assert not mb.target_mask[0, ends].any() and not mb.loss_mask[0, ends].any()
+    for row, (start, n) in enumerate([(0, 8), (8, 5), (13, 3)]):
+        assert torch.equal(mb.input_ids[0, start : start + n], batch.input_ids[row, :n])
+        assert torch.equal(mb.targets[0, start : start + n - 1], batch.input_ids[row, 1:n])
+        assert torch.equal(mb.advantages[0, start : start + n - 1], batch.advantages[row, 1:n])
+        assert torch.equal(mb.loss_mask[0, start : start + n - 1], batch.loss_mask[row, 1:n])
+        assert mb.position_ids()[0, start : start + n].tolist() == list(range(n))
+        assert (mb.segment_ids()[0, start : start + n] == row).all()
+    # Per-row values come back in the padded [b, s] alignment, zeros past each sequence.
+    padded = make_microbatches(batch, max_tokens=100)[0]
+    assert torch.equal(mb.per_row(mb.target_mask), padded.target_mask)
+    keep = padded.target_mask
+    assert torch.equal(mb.per_row(mb.advantages) * keep, padded.advantages * keep)
+
+
+def test_packs_pad_their_end_as_a_segment_of_its_own():
+    batch = _batch([8, 5, 3])
+    mbs = make_microbatches(batch, max_tokens=9, pack=True, pad_to_multiple_of=4)
+    assert [mb.rows.tolist() for mb in mbs] == [[0], [1, 2]]
+    mb = mbs[1]
+    assert mb.cu_seqlens.tolist() == [0, 5, 8] and mb.input_ids.shape == (1, 8)  # 8 real tokens, no tail
+    mb = make_microbatches(_batch([8, 5, 2]), max_tokens=9, pack=True, pad_to_multiple_of=4)[1]
+    assert mb.cu_seqlens.tolist() == [0, 5, 7, 8] and mb.padding_fraction == 1 / 8
+    assert mb.position_ids()[0].tolist() == [0, 1, 2, 3, 4, 0, 1, 0]
+    assert not mb.target_mask[0, 6:].any() and not mb.loss_mask[0, 6:].any()
 
 
 def test_batch_validation():

@@ -71,7 +71,9 @@ def test_padding_to_a_multiple_changes_nothing(report):
 def test_reference_is_frozen_weights_only_and_fixed(report, source):
     ref = report["reference"][source]
     assert not ref["requires_grad"] and not ref["has_main_grad"] and not ref["has_ddp_or_optimizer"]
-    assert ref["vs_actor_at_step0"] <= TOL
+    # float32 rounding only: megatron runs frozen weights through another GEMM call
+    # (linear_with_frozen_weight) than trainable ones, and packed shapes expose the difference.
+    assert ref["vs_actor_at_step0"] <= 1e-5
     assert ref["actor_moved"] > 1e-3  # the actor trained ...
     assert ref["reference_fixed"] == 0.0  # ... and the reference did not move
 

@@ -17,10 +17,10 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def run_actor_job(
-    worker: Path, variants: Iterable[str], root: Path, *, timeout_s: int
+    worker: Path, variants: Iterable[str], root: Path, *, timeout_s: int, nproc: int = 4
 ) -> tuple[list[dict], dict, Path]:
     """Save each variant (HF and converted Megatron checkpoint) under ``root``, run ``worker``
-    on 4 ranks; every rank's JSON report (``out/rank{r}.json``), the job's spec and ``out``."""
+    on ``nproc`` ranks; every rank's JSON report (``out/rank{r}.json``), the job's spec and ``out``."""
     spec = {"variants": {}, "work_dir": str(root / "work")}
     for seed, variant in enumerate(variants):
         hf_dir = save_model(variant, root / variant, seed=seed)
@@ -30,9 +30,9 @@ def run_actor_job(
     out = root / "out"
     out.mkdir()
     (root / "spec.json").write_text(json.dumps(spec))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
            str(worker), str(root / "spec.json"), str(out)]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-8000:]
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)], spec, out
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(nproc)], spec, out
