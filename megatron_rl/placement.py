@@ -297,12 +297,15 @@ def place_on_gpus(plan: PlacementPlan, *, timeout_s: float = 300.0, torch_thread
 def cpu_threads(parallel: ParallelConfig, rollout: RolloutConfig, nodes: list[NodeInfo]) -> int:
     """Torch threads per actor rank and per engine: ``parallel.cpu_threads``, else 1 on a
     GPU cluster (the device does the work), else the smallest node's CPUs over the larger
-    group (the two groups take turns)."""
+    group when the two groups take turns, or over both groups together when they work
+    at once (``rollout.max_staleness`` >= 1: generation runs during the update)."""
     if parallel.cpu_threads is not None:
         return parallel.cpu_threads
     if any(n.num_gpus for n in nodes):
         return 1
     cores = min((n.num_cpus for n in nodes), default=1)
+    if rollout.max_staleness > 0:
+        return max(1, cores // (parallel.num_actor_ranks + rollout.num_engines))
     return max(1, cores // max(parallel.num_actor_ranks, rollout.num_engines, 1))
 
 

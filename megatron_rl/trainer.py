@@ -8,7 +8,9 @@ One step::
 
 With ``rollout.placement: colocated`` the engines sleep and the actor onloads its
 gradient buffers and optimizer state around the update, and gives them up again before
-the sync (``Trainer.time_shared``).
+the sync (``Trainer.time_shared``). With ``rollout.max_staleness: k >= 1`` (disaggregated)
+the batches of the next steps are generated while the actor trains (``rollout_ahead.py``);
+the loss corrects for their older weights with the truncated importance weights.
 
 The components are built by ``builder.py`` and do the work (``actor/``, ``rollout/``,
 ``rewards/``, ``data/``, ``observability/``, ``evaluate.py``); this file only drives
@@ -36,6 +38,7 @@ from megatron_rl.observability import ProgressLine, rollout_metrics
 from megatron_rl.preflight import Preflight
 from megatron_rl.rewards import AllRewardsFailedError, RewardErrorStreak, summarize
 from megatron_rl.rollout.base import SamplingParams
+from megatron_rl.rollout_ahead import RolloutAhead, RolloutBatch
 from megatron_rl.seeding import rollout_seed
 
 __all__ = ["AllRewardsFailedError", "NonFiniteStepsError", "Trainer"]
@@ -53,6 +56,8 @@ class Trainer:
         engines sleep -> actor onloads its train state -> update -> actor offloads -> sync
         (wakes the engines' weights) -> engines wake (KV cache); each transition timed."""
         self.step = 0
+        self.ahead: RolloutAhead | None = None
+        """The batches of the coming steps (generated inline, or ahead with ``max_staleness``)."""
 
     def run(self) -> dict[str, float]:
         """Train to ``trainer.num_steps``; returns the last logged step's metrics."""
@@ -62,6 +67,10 @@ class Trainer:
         with ExitStack() as stack:
             progress = ProgressLine(cfg.trainer.num_steps, start_step=self.step)
             stack.callback(progress.close)
+            self.ahead = RolloutAhead(self._produce, cursor=r.prompts.state_dict,
+                                      max_staleness=cfg.rollout.max_staleness, first_step=self.step + 1,
+                                      last_step=cfg.trainer.num_steps, synced_version=self.step)  # fmt: skip
+            stack.callback(self.ahead.close)
             while self.step < cfg.trainer.num_steps:
                 self.step += 1
                 last = self.train_one_step(self.step)
@@ -83,17 +92,29 @@ class Trainer:
     def close(self) -> None:
         self.parts.close()  # engines, actor ranks, reward workers; flushes the metrics
 
+    def _produce(self, step: int) -> RolloutBatch:
+        """Draw step ``step``'s prompts and generate their responses on the pool."""
+        cfg, r = self.config, self.parts
+        start = time.perf_counter()
+        prompts = r.prompts.next_prompts(cfg.rollout.num_prompts_per_step)
+        params = SamplingParams.from_rollout_config(
+            cfg.rollout, seed=rollout_seed(cfg.trainer.seed, step), stop_token_ids=r.prompts.stop_token_ids
+        )
+        completions = r.pool.generate(prompts.token_ids, params)
+        return RolloutBatch(step=step, prompts=prompts, completions=completions,
+                            generate_s=time.perf_counter() - start)  # fmt: skip
+
     def train_one_step(self, step: int) -> dict[str, float]:
         cfg, r = self.config, self.parts
         timings: dict[str, float] = {}
         start = time.perf_counter()
-        with timed(timings, "generate"):
-            prompts = r.prompts.next_prompts(cfg.rollout.num_prompts_per_step)
-            params = SamplingParams.from_rollout_config(
-                cfg.rollout, seed=rollout_seed(cfg.trainer.seed, step), stop_token_ids=r.prompts.stop_token_ids
-            )
-            completions = r.pool.generate(prompts.token_ids, params)
-            exp = build_experience(prompts.token_ids, completions, pad_id=r.prompts.pad_id)
+        ahead = self.ahead  # set up by run()
+        rollout, waited = ahead.take(step)
+        prompts, completions = rollout.prompts, rollout.completions
+        exp = build_experience(prompts.token_ids, completions, pad_id=r.prompts.pad_id)
+        timings["generate"] = rollout.generate_s  # ahead: in the background, during earlier updates
+        if ahead.max_staleness:
+            timings["actor_wait_rollout"] = waited
         if self.time_shared:  # the engines give the devices back to the actor for the update
             with timed(timings, "sleep"):
                 r.pool.sleep()
@@ -110,8 +131,10 @@ class Trainer:
             advantages = self.compute_advantages(rewards, exp)
         metrics = rollout_metrics(
             rewards, success_score=r.task.reward.success_score, response_lengths=exp.response_lengths,
-            weight_versions=exp.weight_versions, reward_counters=counters,
+            weight_versions=exp.weight_versions, reward_counters=counters, actor_version=step - 1,
         )  # fmt: skip
+        # Where in the data this step's prompts start (resumes continue it without a gap or a repeat).
+        metrics.update({"data/epoch": float(rollout.cursor["epoch"]), "data/position": float(rollout.cursor["position"])})
         try:
             self.reward_errors.update(step, results)
             with timed(timings, "update"):
@@ -123,8 +146,13 @@ class Trainer:
         if self.time_shared:
             with timed(timings, "offload"):
                 r.actors.offload_train_state()
-        with timed(timings, "weight_sync"):  # into sleeping engines: only their weights wake
-            metrics.update(self.sync_weights(version=step))
+        with ahead.paused() as waited:  # the pool finishes the generation in flight first
+            with timed(timings, "weight_sync"):  # into sleeping engines: only their weights wake
+                metrics.update(self.sync_weights(version=step))
+        ahead.synced(step)
+        if ahead.max_staleness:
+            timings["actor_wait_rollout"] += waited
+            timings["rollout_wait_actor"] = ahead.pool_idle_s()
         if self.time_shared:
             with timed(timings, "wake"):
                 r.pool.wake()
@@ -145,13 +173,17 @@ class Trainer:
 
     def evaluate(self, step: int) -> dict[str, float]:
         r, cfg = self.parts, self.config
-        return evaluate(pool=r.pool, prompts=r.prompts, task=r.task, rewards=r.rewards, rollout=cfg.rollout,
-                        seed=cfg.trainer.seed, step=step)  # fmt: skip
+        with self.ahead.paused() if self.ahead else ExitStack():  # the pool is evaluation's meanwhile
+            return evaluate(pool=r.pool, prompts=r.prompts, task=r.task, rewards=r.rewards, rollout=cfg.rollout,
+                            seed=cfg.trainer.seed, step=step)  # fmt: skip
 
     def save_checkpoint(self) -> Path:
         """Actor and driver state in one atomic write (``actor.checkpoint``; refused if weights are not finite)."""
         r = self.parts
-        state = {"step": self.step, "sampler": r.prompts.state_dict(), **r.actors.state_dict()}
+        # The data cursor from before the oldest batch not trained yet: a resumed run draws
+        # the prompts of batches generated ahead again (none lost, none trained twice).
+        cursor = self.ahead.cursor() if self.ahead else r.prompts.state_dict()
+        state = {"step": self.step, "sampler": cursor, **r.actors.state_dict()}
         state.update(self.reward_errors.state_dict())
         path = r.checkpoint_dir / f"step_{self.step:06d}"
         return Path(r.actors.save_checkpoint(str(path), trainer_state=state))

@@ -45,8 +45,9 @@ class ParallelConfig:
     cpu_threads: int | None = None
     """Torch threads of each actor rank and each rollout engine. null: on GPUs 1 (the
     device does the work); on a CPU cluster the smallest node's Ray CPUs divided by the
-    larger of the actor ranks and the engines, at least 1. The actor and the engines take turns
-    (generation, then the update), so each side may use the cores while the other waits."""
+    larger of the actor ranks and the engines, at least 1: the actor and the engines take turns
+    (generation, then the update), so each side may use the cores while the other waits.
+    With ``rollout.max_staleness`` >= 1 both work at once: divided by their sum."""
 
     def __post_init__(self) -> None:
         check_literals(self)

@@ -141,6 +141,14 @@ class RolloutConfig(SamplingSettings):
     """Truncated importance sampling: weight each token by ``min(p_actor / p_engine, tis_cap)``
     to correct the engine/actor probability mismatch; null disables it (typical: 2)."""
 
+    max_staleness: int = 0
+    """How many weight versions the responses of a step may lag the actor: 0 (default) is
+    the synchronous loop (generate, then train on it); ``k >= 1`` generates the next
+    steps' batches while the actor trains (one-step-off at 1), so no response trained at
+    step ``n`` comes from weights older than version ``n - 1 - k``. Needs ``placement:
+    disaggregated`` (both sides busy at once) and ``tis_cap`` (the loss corrects for the
+    older behaviour policy: decoupled PPO, docs/algorithms.md)."""
+
     pool: PoolConfig = field(default_factory=PoolConfig)
     """Request dispatch and failure recovery of the engine pool."""
 
@@ -154,6 +162,7 @@ class RolloutConfig(SamplingSettings):
             "weight_sync_bucket_mb",
         )  # fmt: skip
         require_range("tis_cap", self.tis_cap, ge=1.0)
+        require_range("max_staleness", self.max_staleness, ge=0, le=1024)
         require_range("tensor_parallel_size", self.tensor_parallel_size, ge=1, le=1024)
         require_range("num_gpus", self.num_gpus, ge=1, le=1 << 16)
         if self.num_gpus is not None:

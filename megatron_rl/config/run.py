@@ -116,6 +116,18 @@ class RunConfig:
                 f"cuda_ipc needs rollout.engine 'vllm' and placement 'colocated' (got {roll.engine!r}, "
                 f"{roll.placement!r}); use collective or object_store",
             )
+        if roll.max_staleness > 0 and roll.placement != "disaggregated":
+            raise ConfigError(
+                "rollout.max_staleness",
+                f"got {roll.max_staleness}; generating ahead needs placement: disaggregated (colocated engines "
+                "and actor share the devices and take turns)",
+            )
+        if roll.max_staleness > 0 and roll.tis_cap is None:
+            raise ConfigError(
+                "rollout.tis_cap",
+                f"got None with max_staleness {roll.max_staleness}; responses of older weights need the "
+                "behaviour-policy correction (decoupled PPO's truncated importance weights, typically 2)",
+            )
 
     def _warn_ignored(self) -> None:
         algo = self.algorithm

@@ -18,8 +18,13 @@ def rollout_metrics(
     response_lengths: torch.Tensor,
     weight_versions: Sequence[int],
     reward_counters: Mapping[str, Any] = {},
+    actor_version: int | None = None,
 ) -> dict[str, float]:
     """``rollout/*`` metrics of ``[N]`` rewards and ``[N]`` response lengths.
+
+    With ``actor_version`` (the weights the actor trains from), the staleness of each
+    response (``actor_version`` minus the version that generated it) is summarised as
+    ``rollout/staleness/max`` and ``rollout/staleness/mean``.
 
     ``rollout/success_rate`` is the share of responses scoring at least ``success_score``
     (the task's "correct"); ``reward_counters`` (parse failures, time-outs, ...) are added
@@ -36,5 +41,9 @@ def rollout_metrics(
         "rollout/response_length/max": float(lengths.max()),
         "rollout/weight_version/min": float(min(weight_versions)),
     }
+    if actor_version is not None:
+        staleness = [actor_version - v for v in weight_versions]
+        out["rollout/staleness/max"] = float(max(staleness))
+        out["rollout/staleness/mean"] = sum(staleness) / len(staleness)
     out.update({k: float(v) for k, v in reward_counters.items() if isinstance(v, (int, float)) and math.isfinite(v)})
     return out

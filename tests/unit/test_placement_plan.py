@@ -73,6 +73,9 @@ def test_cpu_threads_default_shares_the_smallest_node_between_the_larger_group()
     assert threads([2], 4, 1) == 1  # never below 1
     assert threads([], 1, 1) == 1
     assert threads([16], 1, 1, cpu_threads=3) == 3  # set explicitly: used as given
+    both_busy = RolloutConfig(num_engines=1, placement="disaggregated", max_staleness=1, tis_cap=2.0)
+    assert cpu_threads(ParallelConfig(), both_busy, [NodeInfo("n0", "10.0.0.0", 0, 2)]) == 1  # generation overlaps
+    assert cpu_threads(ParallelConfig(num_actor_ranks=2), both_busy, [NodeInfo("n0", "10.0.0.0", 0, 16)]) == 5
     gpu_nodes = [NodeInfo("g0", "10.0.1.0", 8, 64)]
     parallel, rollout = ParallelConfig(), RolloutConfig()
     assert cpu_threads(parallel, rollout, gpu_nodes) == 1  # GPUs do the work: one thread per process
