@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
 import statistics
 import sys
@@ -47,7 +46,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from vs_trl import wait_idle  # noqa: E402  (the same idle-machine wait)
+from vs_trl import cpu_model, wait_idle  # noqa: E402  (the same machine description and idle wait)
 
 VOCAB = 64
 
@@ -140,16 +139,6 @@ def _run(tmp: Path, mode: str, args) -> dict:
     return out
 
 
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=12)
@@ -170,7 +159,7 @@ def main() -> None:
             load = wait_idle(args.idle_load, args.idle_timeout_s)
             results[mode] = {**_run(tmp, mode, args), "load_before": round(load, 2)}
             print(json.dumps(results[mode]), flush=True)
-    summary = {"bench": "async_packing", "summary": True, "cpu": _cpu_model(),
+    summary = {"bench": "async_packing", "summary": True, "cpu": cpu_model(),
                "cpu_cores": os.cpu_count(), "python": sys.version.split()[0], "args": vars(args)}  # fmt: skip
     for new, old in (("packed", "padded"), ("one_step_off", "sync")):
         if new in results and old in results:

@@ -228,7 +228,7 @@ def main() -> None:
     first = {f: [statistics.mean(r["reward"][:5]) for r in runs[f]] for f in runs}
     summary = {
         "bench": "vs_trl", "summary": True, "steps": args.steps, "seeds": args.seeds,
-        "cpu": _cpu_model(), "cores": os.cpu_count(),
+        "cpu": cpu_model(), "cores": os.cpu_count(),
         **{f"{f}_{k}": med(f, k) for f in runs for k in ("step_s", "process_s", "pss_peak_bytes")},
         "step_ratio": med("megatron_rl", "step_s") / med("trl", "step_s"),
         "process_ratio": med("megatron_rl", "process_s") / med("trl", "process_s"),
@@ -242,7 +242,7 @@ def main() -> None:
     print(json.dumps(summary), flush=True)
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):

@@ -22,7 +22,7 @@ reward failing on every response (the components raise); the step that stops it 
 from __future__ import annotations
 
 import time
-from contextlib import ExitStack
+from contextlib import ExitStack, nullcontext
 from pathlib import Path
 
 import torch
@@ -173,7 +173,7 @@ class Trainer:
 
     def evaluate(self, step: int) -> dict[str, float]:
         r, cfg = self.parts, self.config
-        with self.ahead.paused() if self.ahead else ExitStack():  # the pool is evaluation's meanwhile
+        with self.ahead.paused() if self.ahead else nullcontext():  # the pool is evaluation's meanwhile
             return evaluate(pool=r.pool, prompts=r.prompts, task=r.task, rewards=r.rewards, rollout=cfg.rollout,
                             seed=cfg.trainer.seed, step=step)  # fmt: skip
 

@@ -34,3 +34,24 @@ def ray_session():
     ray.init(include_dashboard=False, configure_logging=False, log_to_driver=False)
     yield
     ray.shutdown()
+
+
+def kill9_when(victim, run_dir, *, checkpointed: int, logged: int, timeout_s: float = 600) -> None:
+    """SIGKILL the process group of ``victim`` (a ``train`` CLI run) once checkpoint
+    ``step_<checkpointed>`` exists and step ``logged`` is in ``metrics.jsonl``."""
+    import os
+    import signal
+    import time
+
+    from megatron_rl.observability import read_metrics
+
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        if (run_dir / "checkpoints" / f"step_{checkpointed:06d}").is_dir() and (run_dir / "metrics.jsonl").exists():
+            if any(r["step"] >= logged for r in read_metrics(run_dir)):
+                break
+        if victim.poll() is not None:
+            pytest.fail("the run finished before it could be killed:\n" + victim.stdout.read())
+        time.sleep(0.05)
+    os.killpg(victim.pid, signal.SIGKILL)
+    victim.wait()

@@ -10,15 +10,11 @@
 (That it learns like the synchronous run, over 3 seeds: tests/e2e/test_demo_learns.py.)
 """
 
-import os
-import signal
-import time
 
-import pytest
 
 from megatron_rl.observability import read_metrics
 from megatron_rl.trainer import Trainer
-from tests.e2e.conftest import tiny_config
+from tests.e2e.conftest import kill9_when, tiny_config
 from tests.e2e.test_trainer import _train_cli
 
 ASYNC = ("rollout.placement=disaggregated", "rollout.max_staleness=1", "rollout.tis_cap=2.0")
@@ -60,17 +56,7 @@ def test_kill9_with_a_batch_generated_ahead_then_resume(tmp_path):
 
     victim = _train_cli(tmp_path / "b", *args)
     run_dir = tmp_path / "b" / "tiny_cpu"
-    deadline = time.time() + 600
-    # kill -9 once step 2 is checkpointed and step 3 logged: step 4's batch is queued or in flight
-    while time.time() < deadline:
-        if (run_dir / "checkpoints" / "step_000002").is_dir() and (run_dir / "metrics.jsonl").exists():
-            if any(r["step"] >= 3 for r in read_metrics(run_dir)):
-                break
-        if victim.poll() is not None:
-            pytest.fail("the run finished before it could be killed:\n" + victim.stdout.read())
-        time.sleep(0.05)
-    os.killpg(victim.pid, signal.SIGKILL)
-    victim.wait()
+    kill9_when(victim, run_dir, checkpointed=2, logged=3)  # step 4's batch is queued or in flight
 
     resumed = _train_cli(tmp_path / "b", *args)
     out, _ = resumed.communicate(timeout=600)

@@ -2,11 +2,8 @@
 inputs, and checkpoint/resume (kill -9 included) reproducing an uninterrupted run."""
 
 import json
-import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -17,7 +14,7 @@ from megatron_rl.config import load_run_config
 from megatron_rl.data.loaders import DataError
 from megatron_rl.observability import read_metrics
 from megatron_rl.trainer import NonFiniteStepsError, Trainer
-from tests.e2e.conftest import EXAMPLE, ROOT, tiny_config, tiny_overrides
+from tests.e2e.conftest import EXAMPLE, ROOT, kill9_when, tiny_config, tiny_overrides
 
 METHOD_KEYS = {
     "grpo": ["loss/ref_kl"],
@@ -137,17 +134,7 @@ def test_kill9_then_resume_matches_an_uninterrupted_run(tmp_path):
 
     victim = _train_cli(tmp_path / "b", *args)
     run_dir = tmp_path / "b" / "tiny_cpu"
-    deadline = time.time() + 600
-    # kill -9 once step 4 is checkpointed and step 5 has been logged (mid-way to step 6's save)
-    while time.time() < deadline:
-        if (run_dir / "checkpoints" / "step_000004").is_dir() and (run_dir / "metrics.jsonl").exists():
-            if any(r["step"] >= 5 for r in read_metrics(run_dir)):
-                break
-        if victim.poll() is not None:
-            pytest.fail("the run finished before it could be killed:\n" + victim.stdout.read())
-        time.sleep(0.05)
-    os.killpg(victim.pid, signal.SIGKILL)
-    victim.wait()
+    kill9_when(victim, run_dir, checkpointed=4, logged=5)  # mid-way to step 6's save
     assert (run_dir / "checkpoints" / "latest").read_text().strip() in ("step_000004", "step_000006")
 
     resumed = _train_cli(tmp_path / "b", *args)

@@ -12,8 +12,6 @@ Usage::
 
 from __future__ import annotations
 
-import json
-import sys
 from pathlib import Path
 
 N, L, PROMPT = 8, 20, 5
@@ -208,20 +206,7 @@ def run(spec: dict) -> dict:
     return report
 
 
-def main() -> None:
-    import torch.distributed as dist
-
-    from megatron_rl.actor.launch import destroy_parallel, init_process_group
-
-    spec = json.loads(Path(sys.argv[1]).read_text())
-    out_dir = Path(sys.argv[2])
-    init_process_group(backend="gloo")
-    report = run(spec)
-    (out_dir / f"rank{dist.get_rank()}.json").write_text(json.dumps(report, indent=2, default=str))
-    destroy_parallel()
-    dist.barrier()
-    dist.destroy_process_group()
-
-
 if __name__ == "__main__":
-    main()
+    from tests.helpers.worker_main import run_worker
+
+    run_worker(lambda spec, out_dir: run(spec))

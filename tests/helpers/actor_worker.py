@@ -15,8 +15,6 @@ dist-checkpoint writer starts ``spawn`` helper processes that re-import this fil
 
 from __future__ import annotations
 
-import json
-import sys
 import time
 from pathlib import Path
 
@@ -326,22 +324,7 @@ def run(spec: dict, out_dir: Path) -> dict:
     return report
 
 
-def main() -> None:
-    import torch.distributed as dist
-
-    from megatron_rl.actor.launch import destroy_parallel, init_process_group
-
-    spec = json.loads(Path(sys.argv[1]).read_text())
-    out_dir = Path(sys.argv[2])
-    init_process_group(backend="gloo")
-    start = time.perf_counter()
-    report = run(spec, out_dir)
-    report["timing_s"]["total"] = time.perf_counter() - start
-    (out_dir / f"rank{dist.get_rank()}.json").write_text(json.dumps(report, indent=2, default=str))
-    destroy_parallel()
-    dist.barrier()
-    dist.destroy_process_group()
-
-
 if __name__ == "__main__":
-    main()
+    from tests.helpers.worker_main import run_worker
+
+    run_worker(run)

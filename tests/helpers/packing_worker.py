@@ -17,10 +17,6 @@ losses the two losses, grad norms and the largest difference of any gradient ele
 
 from __future__ import annotations
 
-import json
-import sys
-from pathlib import Path
-
 N, L, PROMPT = 8, 24, 4
 TEMPERATURE = 0.8
 LAYOUTS = [(1, 1), (2, 1), (1, 2)]
@@ -173,20 +169,7 @@ def run(spec: dict) -> dict:
     return report
 
 
-def main() -> None:
-    import torch.distributed as dist
-
-    from megatron_rl.actor.launch import destroy_parallel, init_process_group
-
-    spec = json.loads(Path(sys.argv[1]).read_text())
-    out_dir = Path(sys.argv[2])
-    init_process_group(backend="gloo")
-    report = run(spec)
-    (out_dir / f"rank{dist.get_rank()}.json").write_text(json.dumps(report, indent=2))
-    destroy_parallel()
-    dist.barrier()
-    dist.destroy_process_group()
-
-
 if __name__ == "__main__":
-    main()
+    from tests.helpers.worker_main import run_worker
+
+    run_worker(lambda spec, out_dir: run(spec))
