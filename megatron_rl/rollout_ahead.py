@@ -144,7 +144,7 @@ class RolloutAhead:
             return self._read_cursor()  # the producer is idle: nothing draws meanwhile
 
     def pool_idle_s(self) -> float:
-        """Seconds the background producer waited (for weights or for room) since the last call."""
+        """Seconds the background producer waited (for newer weights or a pause to end) since the last call."""
         with self._cond:
             idle, self._idle_s = self._idle_s, 0.0
         return idle
@@ -160,12 +160,8 @@ class RolloutAhead:
     # ------------------------------------------------------------------ the producer
 
     def _may_start(self) -> bool:
-        return (
-            not self._paused
-            and self._next <= self._last
-            and self._next <= self._synced + 1 + self.max_staleness
-            and len(self._ready) < self.max_staleness + 1
-        )
+        # The version bound also bounds the queue: at most max_staleness + 1 batches wait.
+        return not self._paused and self._next <= min(self._last, self._synced + 1 + self.max_staleness)
 
     def _loop(self) -> None:
         while True:
