@@ -1,5 +1,6 @@
 """Fixtures for end-to-end runs of the trainer on the tiny CPU demo."""
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -36,16 +37,44 @@ def ray_session():
     ray.shutdown()
 
 
-def kill9_when(victim, run_dir, *, checkpointed: int, logged: int, timeout_s: float = 600) -> None:
-    """SIGKILL the process group of ``victim`` (a ``train`` CLI run) once checkpoint
-    ``step_<checkpointed>`` exists and step ``logged`` is in ``metrics.jsonl``."""
+def train_cli(out_dir, *extra):
+    """``megatron-rl train`` of the tiny demo in a new process group (so a kill reaches every process)."""
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "megatron_rl", "train", str(EXAMPLE), *tiny_overrides(out_dir, *extra)]
+    return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)  # fmt: skip
+
+
+@dataclass
+class KilledAndResumed:
+    """What :func:`kill9_and_resume` leaves: both runs' metrics by step, and the checkpoint
+    ``latest`` named right after the kill."""
+
+    uninterrupted: dict[int, dict]
+    resumed: dict[int, dict]
+    run_dir: Path
+    latest_after_kill: str
+
+
+def kill9_and_resume(tmp_path, *args: str, checkpointed: int, logged: int) -> KilledAndResumed:
+    """Run the demo with ``args`` uninterrupted (``tmp_path/a``); run it again (``tmp_path/b``),
+    SIGKILL its process group once checkpoint ``step_<checkpointed>`` exists and step
+    ``logged`` is in ``metrics.jsonl``, then rerun it there to the end (it resumes)."""
     import os
     import signal
     import time
 
     from megatron_rl.observability import read_metrics
 
-    deadline = time.time() + timeout_s
+    ref = train_cli(tmp_path / "a", *args)
+    out, _ = ref.communicate(timeout=600)
+    assert ref.returncode == 0, out
+
+    victim = train_cli(tmp_path / "b", *args)
+    run_dir = tmp_path / "b" / "tiny_cpu"
+    deadline = time.time() + 600
     while time.time() < deadline:
         if (run_dir / "checkpoints" / f"step_{checkpointed:06d}").is_dir() and (run_dir / "metrics.jsonl").exists():
             if any(r["step"] >= logged for r in read_metrics(run_dir)):
@@ -55,3 +84,14 @@ def kill9_when(victim, run_dir, *, checkpointed: int, logged: int, timeout_s: fl
         time.sleep(0.05)
     os.killpg(victim.pid, signal.SIGKILL)
     victim.wait()
+    latest = (run_dir / "checkpoints" / "latest").read_text().strip()
+
+    resumed = train_cli(tmp_path / "b", *args)
+    out, _ = resumed.communicate(timeout=600)
+    assert resumed.returncode == 0, out
+    return KilledAndResumed(
+        uninterrupted={r["step"]: r for r in read_metrics(tmp_path / "a" / "tiny_cpu")},
+        resumed={r["step"]: r for r in read_metrics(run_dir)},
+        run_dir=run_dir,
+        latest_after_kill=latest,
+    )

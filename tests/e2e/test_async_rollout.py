@@ -14,8 +14,7 @@
 
 from megatron_rl.observability import read_metrics
 from megatron_rl.trainer import Trainer
-from tests.e2e.conftest import kill9_when, tiny_config
-from tests.e2e.test_trainer import _train_cli
+from tests.e2e.conftest import kill9_and_resume, tiny_config
 
 ASYNC = ("rollout.placement=disaggregated", "rollout.max_staleness=1", "rollout.tis_cap=2.0")
 STEPS = ("trainer.num_steps=5", "trainer.eval_every_steps=3", "trainer.save_every_steps=2")
@@ -52,19 +51,8 @@ def test_one_step_off_trains_on_one_version_old_responses(tmp_path, ray_session)
 
 def test_kill9_with_a_batch_generated_ahead_then_resume(tmp_path):
     args = ("trainer.num_steps=6", "trainer.save_every_steps=2", "trainer.eval_every_steps=0", *ASYNC)
-    ref = _train_cli(tmp_path / "a", *args)
-    out, _ = ref.communicate(timeout=600)
-    assert ref.returncode == 0, out
-
-    victim = _train_cli(tmp_path / "b", *args)
-    run_dir = tmp_path / "b" / "tiny_cpu"
-    kill9_when(victim, run_dir, checkpointed=2, logged=3)  # step 4's batch is queued or in flight
-
-    resumed = _train_cli(tmp_path / "b", *args)
-    out, _ = resumed.communicate(timeout=600)
-    assert resumed.returncode == 0, out
-    a = {r["step"]: r for r in read_metrics(tmp_path / "a" / "tiny_cpu")}
-    b = {r["step"]: r for r in read_metrics(run_dir)}
+    runs = kill9_and_resume(tmp_path, *args, checkpointed=2, logged=3)  # step 4's batch is queued or in flight
+    a, b = runs.uninterrupted, runs.resumed
     assert sorted(b) == list(range(1, 7)), "each step is logged once"
     for step in range(1, 7):
         assert (b[step]["data/epoch"], b[step]["data/position"]) == (a[step]["data/epoch"], a[step]["data/position"])

@@ -14,7 +14,7 @@ from megatron_rl.config import load_run_config
 from megatron_rl.data.loaders import DataError
 from megatron_rl.observability import read_metrics
 from megatron_rl.trainer import NonFiniteStepsError, Trainer
-from tests.e2e.conftest import EXAMPLE, ROOT, kill9_when, tiny_config, tiny_overrides
+from tests.e2e.conftest import EXAMPLE, ROOT, kill9_and_resume, tiny_config, tiny_overrides
 
 METHOD_KEYS = {
     "grpo": ["loss/ref_kl"],
@@ -117,31 +117,14 @@ def test_bad_reward_function_and_config_exit_2_without_a_checkpoint(tmp_path):
     assert not list(tmp_path.rglob("step_*"))
 
 
-def _train_cli(out_dir, *extra):
-    cmd = [sys.executable, "-m", "megatron_rl", "train", str(EXAMPLE), *tiny_overrides(out_dir, *extra)]
-    return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)  # fmt: skip
-
-
 COMPARED = ("rollout/reward/mean", "loss/total", "actor/grad_norm", "loss/approx_kl", "tokens/quartile_q1/grad_share")
 
 
 def test_kill9_then_resume_matches_an_uninterrupted_run(tmp_path):
     args = ("trainer.num_steps=8", "trainer.save_every_steps=2", "trainer.eval_every_steps=4")
-    ref = _train_cli(tmp_path / "a", *args)
-    out, _ = ref.communicate(timeout=600)
-    assert ref.returncode == 0, out
-
-    victim = _train_cli(tmp_path / "b", *args)
-    run_dir = tmp_path / "b" / "tiny_cpu"
-    kill9_when(victim, run_dir, checkpointed=4, logged=5)  # mid-way to step 6's save
-    assert (run_dir / "checkpoints" / "latest").read_text().strip() in ("step_000004", "step_000006")
-
-    resumed = _train_cli(tmp_path / "b", *args)
-    out, _ = resumed.communicate(timeout=600)
-    assert resumed.returncode == 0, out
-    a = {r["step"]: r for r in read_metrics(tmp_path / "a" / "tiny_cpu")}
-    b = {r["step"]: r for r in read_metrics(run_dir)}
+    runs = kill9_and_resume(tmp_path, *args, checkpointed=4, logged=5)  # mid-way to step 6's save
+    assert runs.latest_after_kill in ("step_000004", "step_000006")
+    a, b, run_dir = runs.uninterrupted, runs.resumed, runs.run_dir
     assert sorted(b) == list(range(1, 9)), "each step is logged once (lines after the checkpoint dropped)"
     for step in range(1, 9):
         for key in COMPARED:
