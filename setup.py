@@ -50,6 +50,9 @@ EXTRAS_REQUIRE = {
         "pytest>=8",
         "pytest-timeout>=2.3",
         "hypothesis>=6.100",
+        # The fused loss's Triton kernels run under Triton's interpreter on CPU machines
+        # (tests/unit/test_triton_kernels.py); CUDA torch wheels bring their own Triton.
+        "triton>=3.4,<4",
     ],
 }
 

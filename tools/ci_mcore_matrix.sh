@@ -18,7 +18,7 @@
 # this checks code that upstream declares for 3.12+ only.
 # megatron-core 0.18+ also needs Triton to import, which it does not declare and the CPU
 # torch does not bring (megatron_rl.mcore_compat.extra_requirements): installed into the
-# folder unless the python has it (vLLM's CPU build brings one, which is then kept).
+# folder unless the python has it (the test extra brings one, which is then kept).
 #
 # The folder is .mcore-VERSION/ (ignored by git through its own .gitignore;
 # MCORE_MATRIX_DIR overrides the place) and is rebuilt on every run.

@@ -138,6 +138,7 @@ class PolicyModel:
             tp_group=self.groups.tp if self.groups.tp_size > 1 else None,
             vocab_size=self.vocab_size,
             chunk_tokens=self.spec.actor.logits_chunk_tokens,
+            kernel=self.spec.actor.loss_kernel,
         )
 
     def _run_schedule(self, microbatches: list[MicroBatch], loss_func, *, forward_only: bool) -> list:

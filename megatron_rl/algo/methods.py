@@ -46,10 +46,21 @@ from megatron_rl.configlib import Registry
 
 
 def pair(total: torch.Tensor | float, count: torch.Tensor | float) -> torch.Tensor:
-    """A metric as ``tensor([sum, count], float64)`` (metrics reduce by summing these)."""
-    return torch.stack(
-        [torch.as_tensor(total, dtype=torch.float64).detach(), torch.as_tensor(count, dtype=torch.float64)]
-    )
+    """A metric as ``tensor([sum, count], float64)`` (metrics reduce by summing these).
+
+    On the device of whichever argument is a tensor (``total``'s first): a plain number or
+    a CPU scalar beside a CUDA total must not make ``stack`` mix devices.
+    """
+    device = next((x.device for x in (total, count) if isinstance(x, torch.Tensor)), None)
+
+    def f64(x: torch.Tensor | float) -> torch.Tensor:
+        if isinstance(x, torch.Tensor):
+            return x.detach().to(dtype=torch.float64, device=device)
+        # A fill on the device: a Python number copied host-to-device would make the host
+        # wait for the device (torch synchronises a pageable host-to-device copy).
+        return torch.full((), float(x), dtype=torch.float64, device=device)
+
+    return torch.stack([f64(total), f64(count)])
 
 
 @dataclass

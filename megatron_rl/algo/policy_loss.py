@@ -249,7 +249,7 @@ def compute_policy_loss(
     metrics["loss/approx_kl"] = _masked_pair(ratio - 1.0 - log_ratio, active)
     for name, weight in weight_metrics:
         metrics[name] = _masked_pair(weight, active)
-    metrics["loss/active_tokens"] = pair(n_active, torch.tensor(1.0, dtype=torch.float64))
+    metrics["loss/active_tokens"] = pair(n_active, 1.0)
     return LossOutput(
         loss_sum=loss_sum,
         count=count,
@@ -271,7 +271,7 @@ def _aggregation(
         return ones, counted.sum().to(torch.float64)
     if mode == "reference_microbatch_mean":
         n = counted.sum().to(torch.float64).clamp(min=1.0)
-        return ones / n, torch.tensor(1.0, dtype=torch.float64)
+        return ones / n, torch.ones((), dtype=torch.float64, device=counted.device)
     seq, num_seqs = _sequence_ids(counted, seq_index)
     if mode == "seq_mean_token_mean":
         # No boolean-mask indexing here or below: on a GPU each would sync with the host.

@@ -173,7 +173,15 @@ class ActorConfig:
     logits_chunk_tokens: int | None = None
     """Tokens per chunk of the fused loss; null sizes chunks by the device's budget of
     float32 logits (``ops.vocab_parallel.chunk_budget_bytes``: 4 MiB on CPU, 256 MiB on
-    CUDA; 64 / 256 MiB with the fused lm-head)."""
+    CUDA; 64 MiB / 1 GiB with the fused lm-head). On materialised logits (``loss_impl:
+    logits``) the Triton kernels (``loss_kernel``) take all tokens in one launch unless
+    this is set."""
+
+    loss_kernel: Literal["auto", "torch", "triton"] = "auto"
+    """The fused loss's passes over the logits (``ops.vocab_parallel.resolve_kernel``):
+    ``triton`` reads the logits once per pass (``ops.triton_kernels``; CUDA only, an error
+    elsewhere), ``torch`` runs chunked torch ops (any device; the reference the Triton
+    kernels are tested against), ``auto`` picks Triton on CUDA when it imports."""
 
     old_logp_source: Literal["auto", "recompute"] = "auto"
     """Where the PPO ratio's old log-probs come from. ``recompute``: a forward-only pass

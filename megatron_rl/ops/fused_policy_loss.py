@@ -34,6 +34,7 @@ import torch.distributed as dist
 from megatron_rl.algo.config import AlgorithmConfig
 from megatron_rl.algo.policy_loss import LossOutput, compute_policy_loss
 from megatron_rl.ops.vocab_parallel import (
+    KERNELS,
     ChunkWorkspace,
     SoftmaxStats,
     VocabShard,
@@ -42,6 +43,7 @@ from megatron_rl.ops.vocab_parallel import (
     invalid_rows_per_chunk,
     linear_chunk_rows,
     logit_grad_chunk,
+    resolve_kernel,
     softmax_stats,
     tp_rank_and_size,
 )
@@ -63,7 +65,7 @@ class VocabParallelOptions:
     chunk_tokens: int | None = None
     """Tokens processed per chunk (``None``: by a float32 byte budget per device type: over
     materialised logits 4 MiB on CPU, 256 MiB on CUDA; in the fused lm-head mode 64 MiB on
-    CPU, 256 MiB on CUDA; see ``vocab_parallel.chunk_budget_bytes``)."""
+    CPU, 1 GiB on CUDA; see ``vocab_parallel.chunk_budget_bytes``)."""
 
     token_grad_norms: bool = False
     """Also compute each token's ``||dL/dlogits_t||`` (of the loss SUM, whole vocabulary) into
@@ -71,13 +73,21 @@ class VocabParallelOptions:
     in-cache pass per chunk and one all-reduce of ``[T]`` on the TP group."""
 
     grad_in_place: bool = True
-    """Scale the precomputed logit gradient in place in backward, so no second logits-sized
-    buffer is allocated; allows one backward per forward. ``False`` allocates the scaled
-    gradient instead and allows repeated backward (``retain_graph``, ``gradcheck``)."""
+    """Scale the precomputed logit gradient in place in backward (not at all when the
+    incoming gradient is exactly 1), so no second logits-sized buffer is allocated; allows
+    one backward per forward. ``False`` allocates the scaled gradient instead and allows
+    repeated backward (``retain_graph``, ``gradcheck``)."""
+
+    kernel: str = "auto"
+    """The passes over the logits: ``torch`` (chunked torch ops), ``triton`` (one read per
+    pass, ``ops.triton_kernels``; CUDA) or ``auto`` (Triton on CUDA when it imports and the
+    logits are not float64); see ``vocab_parallel.resolve_kernel``."""
 
     def __post_init__(self) -> None:
         if not self.temperature > 0:
             raise ValueError(f"temperature must be > 0, got {self.temperature}")
+        if self.kernel not in KERNELS:
+            raise ValueError(f"kernel must be one of {KERNELS}, got {self.kernel!r}")
 
 
 @dataclass
@@ -123,7 +133,8 @@ def vocab_parallel_logprobs(
     """
     options = options or VocabParallelOptions()
     flat = logits.reshape(-1, logits.shape[-1])
-    stats = _stats(lambda sl: flat[sl], targets, mask, flat.shape[-1], options, logits.dtype)
+    kernel = resolve_kernel(options.kernel, logits)
+    stats = _stats(lambda sl: flat[sl], targets, mask, flat.shape[-1], options, logits.dtype, kernel=kernel)
     return stats.logp.reshape(targets.shape), stats.entropy.reshape(targets.shape)
 
 
@@ -140,12 +151,13 @@ def vocab_parallel_logprobs_from_hidden(
     ``[V_local, H]``, multiplying chunk by chunk (the logits never exist in full)."""
     options = _linear_options(options or VocabParallelOptions(), hidden, weight)
     h = hidden.reshape(-1, hidden.shape[-1])
-    stats = _stats(lambda sl: h[sl] @ weight.t(), targets, mask, weight.shape[0], options, hidden.dtype)
+    kernel = resolve_kernel(options.kernel, hidden)
+    stats = _stats(lambda sl: h[sl] @ weight.t(), targets, mask, weight.shape[0], options, hidden.dtype, kernel=kernel)
     return stats.logp.reshape(targets.shape), stats.entropy.reshape(targets.shape)
 
 
 def _stats(
-    chunk_logits, targets, mask, vocab_local, options: VocabParallelOptions, dtype, workspace=None
+    chunk_logits, targets, mask, vocab_local, options: VocabParallelOptions, dtype, workspace=None, kernel="torch"
 ) -> SoftmaxStats:
     flat_targets = targets.reshape(-1).long()
     valid = torch.ones_like(flat_targets, dtype=torch.bool) if mask is None else mask.reshape(-1).bool()
@@ -160,18 +172,30 @@ def _stats(
         chunk_tokens=options.chunk_tokens,
         compute_dtype=compute_dtype(dtype),
         workspace=workspace,
+        kernel=kernel,
     )
 
 
 def _workspace(
-    num_tokens: int, vocab_local: int, options: VocabParallelOptions, dtype, device
+    num_tokens: int, vocab_local: int, options: VocabParallelOptions, dtype, device, kernel: str = "torch"
 ) -> ChunkWorkspace | None:
-    """One workspace shared by the stats and gradient passes (``None`` for a padding-only rank)."""
+    """One workspace shared by the torch kernel's stats and gradient passes (``None`` for a
+    padding-only rank, and for the Triton kernels, which need none)."""
     shard = VocabShard.of(vocab_local, options.tp_group, options.vocab_size)
-    if shard.num_valid == 0:
+    if shard.num_valid == 0 or kernel == "triton":
         return None
     rows = chunk_rows(num_tokens, vocab_local, options.chunk_tokens, device)
     return ChunkWorkspace(rows, shard.num_valid, compute_dtype(dtype), device)
+
+
+def _kernel(options: VocabParallelOptions, x: torch.Tensor, vocab_local: int | None = None) -> str:
+    """The resolved kernel for these inputs; a padding-only rank takes the torch path (it
+    computes nothing)."""
+    kernel = resolve_kernel(options.kernel, x)
+    vocab_local = x.shape[-1] if vocab_local is None else vocab_local
+    if VocabShard.of(vocab_local, options.tp_group, options.vocab_size).num_valid == 0:
+        return "torch"
+    return kernel
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -226,8 +250,10 @@ class _FusedPolicyLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, inputs: LossInputs, config: AlgorithmConfig, options: VocabParallelOptions, holder):
         flat = logits.reshape(-1, logits.shape[-1])
-        ws = _workspace(flat.shape[0], flat.shape[-1], options, logits.dtype, logits.device)
-        stats = _stats(lambda sl: flat[sl], inputs.targets, inputs.mask, flat.shape[-1], options, logits.dtype, ws)
+        kernel = _kernel(options, flat)
+        ws = _workspace(flat.shape[0], flat.shape[-1], options, logits.dtype, logits.device, kernel)
+        chunk = lambda sl: flat[sl]  # noqa: E731
+        stats = _stats(chunk, inputs.targets, inputs.mask, flat.shape[-1], options, logits.dtype, ws, kernel)
         need_grad = logits.requires_grad
         out, g_logp, g_ent = _loss_on_tokens(stats, inputs, config, need_grad)
         holder["output"] = out
@@ -235,10 +261,11 @@ class _FusedPolicyLoss(torch.autograd.Function):
         if need_grad:
             grad = torch.empty_like(flat)
             num_valid = VocabShard.of(flat.shape[-1], options.tp_group, options.vocab_size).num_valid
-            direct = grad.dtype == compute_dtype(logits.dtype)  # write straight into the gradient
+            # Write straight into the gradient: Triton in any dtype, torch in the compute dtype.
+            direct = kernel == "triton" or grad.dtype == compute_dtype(logits.dtype)
             for sl, g in _grad_chunks(
-                lambda sl: flat[sl], stats, inputs, g_logp, g_ent, flat.shape[-1], options, ws,
-                out=grad if direct else None,
+                chunk, stats, inputs, g_logp, g_ent, flat.shape[-1], options, ws, out=grad if direct else None,
+                kernel=kernel,
             ):  # fmt: skip
                 if g is None:
                     grad[sl] = 0
@@ -264,7 +291,13 @@ class _FusedPolicyLoss(torch.autograd.Function):
         ctx.backward_done = True
         (grad,) = ctx.saved_tensors
         scale = grad_output.to(grad.dtype)
-        grad = grad.mul_(scale) if ctx.in_place else grad * scale
+        if ctx.in_place:
+            # ``loss_sum.backward()`` (what megatron's per-token loss does) passes exactly 1:
+            # one host read here saves a read and a write of the whole gradient.
+            if not bool(scale == 1):
+                grad.mul_(scale)
+        else:
+            grad = grad * scale
         return grad.reshape(ctx.logits_shape), None, None, None, None
 
 
@@ -275,8 +308,9 @@ class _FusedLinearPolicyLoss(torch.autograd.Function):
     def forward(ctx, hidden, weight, inputs: LossInputs, config, options: VocabParallelOptions, holder, main_grad):
         h = hidden.reshape(-1, hidden.shape[-1])
         chunk = lambda sl: h[sl] @ weight.t()  # noqa: E731
-        ws = _workspace(h.shape[0], weight.shape[0], options, hidden.dtype, hidden.device)
-        stats = _stats(chunk, inputs.targets, inputs.mask, weight.shape[0], options, hidden.dtype, ws)
+        kernel = _kernel(options, h, weight.shape[0])
+        ws = _workspace(h.shape[0], weight.shape[0], options, hidden.dtype, hidden.device, kernel)
+        stats = _stats(chunk, inputs.targets, inputs.mask, weight.shape[0], options, hidden.dtype, ws, kernel)
         need_grad = hidden.requires_grad or weight.requires_grad
         out, g_logp, g_ent = _loss_on_tokens(stats, inputs, config, need_grad)
         holder["output"] = out
@@ -291,7 +325,9 @@ class _FusedLinearPolicyLoss(torch.autograd.Function):
                 grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device)
             num_valid = VocabShard.of(weight.shape[0], options.tp_group, options.vocab_size).num_valid
             w_valid = weight[:num_valid]
-            for sl, g in _grad_chunks(chunk, stats, inputs, g_logp, g_ent, weight.shape[0], options, ws):
+            for sl, g in _grad_chunks(
+                chunk, stats, inputs, g_logp, g_ent, weight.shape[0], options, ws, kernel=kernel
+            ):  # fmt: skip
                 if g is None:
                     continue
                 # The matmuls run in the input dtype (bf16 on GPUs) accumulating in float32,
@@ -304,9 +340,9 @@ class _FusedLinearPolicyLoss(torch.autograd.Function):
                         grad_w[:num_valid].addmm_(g_in.t(), h[sl])
                     continue
                 if grad_h is not None:
-                    grad_h[sl] = _matmul_f32(g_in, w_valid)
+                    _mm_f32(g_in, w_valid, out=grad_h[sl])
                 if grad_w is not None:
-                    grad_w[:num_valid] += _matmul_f32(g_in.t(), h[sl])
+                    _addmm_f32(grad_w[:num_valid], g_in.t(), h[sl])
             _, tp_size = tp_rank_and_size(options.tp_group)
             if grad_h is not None and tp_size > 1:
                 # Each rank's vocabulary shard contributes a partial dL/dh: sum them.
@@ -328,23 +364,40 @@ class _FusedLinearPolicyLoss(torch.autograd.Function):
         return grad_h, grad_w, None, None, None, None, None
 
 
-def _matmul_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a @ b`` in the inputs' dtype with a float32 result (float32 accumulation; on CUDA
-    the product is written in float32 directly)."""
+def _mm_f32(a: torch.Tensor, b: torch.Tensor, *, out: torch.Tensor) -> None:
+    """``out = a @ b``: inputs in their (16-bit) dtype, float32 accumulation and ``out``;
+    on CUDA written by the GEMM itself (no temporary)."""
     if a.is_cuda:
-        return torch.mm(a, b, out_dtype=torch.float32)
-    return (a @ b).float()
+        torch.mm(a, b, out_dtype=torch.float32, out=out)
+    else:
+        out.copy_(a @ b)
 
 
-def _grad_chunks(chunk_logits, stats, inputs: LossInputs, g_logp, g_ent, vocab_local, options, ws, out=None):
+def _addmm_f32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``acc += a @ b`` into a float32 ``acc`` (megatron's ``main_grad``). On CUDA the GEMM
+    accumulates into ``acc`` itself (beta = 1): one read and one write of the ``[V, H]``
+    buffer per chunk instead of a float32 product the size of the weight plus an add."""
+    if a.is_cuda:
+        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+    else:
+        acc += (a @ b).float()
+
+
+def _grad_chunks(
+    chunk_logits, stats, inputs: LossInputs, g_logp, g_ent, vocab_local, options, ws, out=None, kernel="torch"
+):
     """Yield ``(token slice, dL/dlogits of the chunk's real columns)`` over all tokens.
 
-    The gradient is ``[n, V_valid]`` in the compute dtype (written into ``out[sl, :V_valid]``
-    when ``out`` is given), with masked-out rows zeroed; ``None`` on a padding-only rank.
-    Each yielded tensor is only valid until the next one (it may live in ``ws``).
+    torch kernel: the gradient is ``[n, V_valid]`` in the compute dtype (written into
+    ``out[sl, :V_valid]`` when ``out`` is given), with masked-out rows zeroed; ``None`` on
+    a padding-only rank. Each yielded tensor is only valid until the next one (it may live
+    in ``ws``). The loop does not synchronise with the device: which chunks hold masked-out
+    tokens is found once, before it (:func:`invalid_rows_per_chunk`).
 
-    The loop does not synchronise with the device: which chunks hold masked-out tokens is
-    found once, before it (:func:`invalid_rows_per_chunk`).
+    Triton kernel: one launch per chunk (all tokens in one chunk when ``chunk_tokens`` is
+    ``None``), masked-out rows zeroed in the kernel; the gradient goes into ``out[sl]``
+    (its whole width, TP padding columns zeroed) when ``out`` is given, else over the
+    chunk's logits themselves (the fused lm-head mode's fresh ``h @ W^T``), in their dtype.
     """
     shard = VocabShard.of(vocab_local, options.tp_group, options.vocab_size)
     targets = inputs.targets.reshape(-1).long()
@@ -368,6 +421,21 @@ def _grad_chunks(chunk_logits, stats, inputs: LossInputs, g_logp, g_ent, vocab_l
     sq_norm = (
         torch.zeros(num_tokens, dtype=stats.logp.dtype, device=targets.device) if options.token_grad_norms else None
     )
+    if kernel == "triton":
+        from megatron_rl.ops import triton_kernels
+
+        for sl in chunk_slices(num_tokens, options.chunk_tokens or max(num_tokens, 1)):
+            x = chunk_logits(sl)[:, : shard.num_valid]
+            g = x if out is None else out[sl]
+            triton_kernels.row_grad(
+                x, g, log_normalizer=stats.log_normalizer[sl], row_scale=row_scale[sl],
+                row_shift=None if row_shift is None else row_shift[sl], target_cols=tgt_local[sl, 0],
+                target_grad=owned_grad[sl], valid=valid[sl], inv_t=inv_t,
+                sq_norm=None if sq_norm is None else sq_norm[sl],
+            )  # fmt: skip
+            yield sl, g
+        _finish_grad_norms(stats, sq_norm, options)
+        return
     slices = chunk_slices(num_tokens, ws.rows)  # the workspace's rows are the chunk size
     invalid_rows = invalid_rows_per_chunk(valid, ws.rows)  # one host read, not one per chunk
     for sl, invalid in zip(slices, invalid_rows, strict=True):

@@ -27,6 +27,8 @@ TP divisibility) is excluded: padded columns take no part in the softmax.
 
 from __future__ import annotations
 
+import importlib.util
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -40,7 +42,7 @@ budget per chunk; the op holds two such work buffers). See :func:`chunk_budget_b
 - CPU, 4 MiB: small enough that a chunk and its two work buffers stay in the last-level
   cache, so the several elementwise passes per chunk cost one read of the logits from
   memory, not several (27 tokens at V/TP = 38k).
-- CUDA, 256 MiB: a GPU has no such cache to fit (50 MiB of L2 on an H100) but pays a
+- CUDA, 256 MiB (the torch kernel; the Triton kernels need no workspace): a GPU has no such cache to fit (50 MiB of L2 on an H100) but pays a
   kernel launch (~5 us of host time) per elementwise pass and per chunk. At 4 MiB a pass
   takes ~2.5 us of device time at the H100's ~3.35 TB/s, so the op would be launch-bound
   (and idle between chunks); at 256 MiB a read+write pass takes ~160 us, so the ~10
@@ -55,16 +57,19 @@ DEFAULT_CHUNK_BYTES = CHUNK_BYTES["cpu"]
 budgets); :func:`chunk_budget_bytes` gives the budget of any device."""
 
 
-LINEAR_CHUNK_BYTES = {"cuda": 256 * 2**20, "cpu": 64 * 2**20}
+LINEAR_CHUNK_BYTES = {"cuda": 2**30, "cpu": 64 * 2**20}
 """Default float32 footprint of one chunk of logits in the fused lm-head mode, per device
 type. Each chunk's logits come from a ``[n, H] x [H, V_local]`` matmul and its weight
 gradient is added into the whole ``[V_local, H]`` gradient: chunks of a few tokens leave
 the matmuls inefficient and re-read that gradient hundreds of times (measured on CPU at
 the Qwen2.5 vocabulary and hidden 512: 6x slower than materialising the logits), so this
-mode takes large chunks. On a GPU the re-read weight gradient is what bounds them (256 MiB
-keeps it well under the matmuls' time); on a CPU the matmuls are slow anyway and 64 MiB
-keeps the chunk buffers small (tested: 110-token chunks cost about as much time as
-materialising the logits)."""
+mode takes large chunks. On a GPU, 1 GiB (1,766 tokens at V/TP = 151,936; with the Triton
+kernels the chunk's logits are bf16, 0.5 GiB, overwritten by their gradient): measured on
+an H100 at T = 16,384, H = 3,584 (``benchmarks/linear_chunk_sweep.py``, 2026-11-24),
+441-token chunks took 163 ms, 1,024: 130, 2,048: 118, 4,096: 113, 8,192: 110 (the
+unfused path 83 ms at 6.7x the memory); past ~2k tokens the gain is small and the memory
+grows linearly. On a CPU the matmuls are slow anyway and 64 MiB keeps the chunk buffers
+small (tested: 110-token chunks cost about as much time as materialising the logits)."""
 
 
 def _device_kind(device: torch.device | str) -> str:
@@ -86,6 +91,37 @@ def _rows_for(budget: int, num_tokens: int, vocab_local: int) -> int:
 def linear_chunk_rows(num_tokens: int, vocab_local: int, device: torch.device | str = "cpu") -> int:
     """Tokens per chunk of the fused lm-head mode: as many as fit :data:`LINEAR_CHUNK_BYTES`."""
     return _rows_for(chunk_budget_bytes(device, linear=True), num_tokens, vocab_local)
+
+
+KERNELS = ("auto", "torch", "triton")
+"""Implementations of the two passes over the logits: ``torch`` (chunked torch ops, any
+device and dtype), ``triton`` (:mod:`megatron_rl.ops.triton_kernels`: one read per pass, CUDA,
+not float64) and ``auto`` (``triton`` for CUDA tensors when Triton imports and the dtype is
+not float64, else ``torch``)."""
+
+
+def resolve_kernel(kernel: str, x: torch.Tensor) -> str:
+    """``"torch"`` or ``"triton"`` for ``kernel`` (one of :data:`KERNELS`) on tensor ``x``.
+
+    An explicit ``triton`` that cannot run raises ``ValueError`` saying why: float64
+    logits, or a tensor that is not on a CUDA device outside Triton's interpreter
+    (``TRITON_INTERPRET=1``, how CPU tests run the kernels), or no Triton installed.
+    """
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+    if kernel == "torch":
+        return "torch"
+    has_triton = importlib.util.find_spec("triton") is not None
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    if kernel == "auto":
+        return "triton" if x.is_cuda and has_triton and x.dtype != torch.float64 else "torch"
+    if x.dtype == torch.float64:
+        raise ValueError("kernel='triton' computes in float32; float64 logits need kernel='torch' or 'auto'")
+    if not has_triton:
+        raise ValueError("kernel='triton' but Triton is not installed")
+    if not (x.is_cuda or interpreted):
+        raise ValueError(f"kernel='triton' needs CUDA tensors (or TRITON_INTERPRET=1), got {x.device}")
+    return "triton"
 
 
 def tp_rank_and_size(tp_group: dist.ProcessGroup | None) -> tuple[int, int]:
@@ -231,6 +267,7 @@ def softmax_stats(
     chunk_tokens: int | None,
     compute_dtype: torch.dtype = torch.float32,
     workspace: ChunkWorkspace | None = None,
+    kernel: str = "torch",
 ) -> SoftmaxStats:
     """Target log-probs, entropies and softmax normalisers of vocab-parallel logits.
 
@@ -247,7 +284,10 @@ def softmax_stats(
         chunk_tokens: tokens per chunk (``None``: by the device's :data:`CHUNK_BYTES`;
             ignored when ``workspace`` is given, whose row count is the chunk size).
         compute_dtype: float32 (default), or float64 for float64 logits.
-        workspace: buffers to reuse (e.g. across the stats and gradient passes).
+        workspace: buffers to reuse (e.g. across the stats and gradient passes; the torch
+            kernel only).
+        kernel: ``"torch"`` or ``"triton"`` (resolved, :func:`resolve_kernel`); Triton
+            takes ``chunk_tokens`` rows per launch, all tokens at once when ``None``.
 
     Returns:
         :class:`SoftmaxStats`, identical on every rank of ``tp_group``.
@@ -264,6 +304,13 @@ def softmax_stats(
     inv_t = 1.0 / temperature
     if shard.num_valid == 0:  # a rank holding padding only takes no part in the softmax
         local[:, 0] = float("-inf")
+    elif kernel == "triton":
+        from megatron_rl.ops import triton_kernels
+
+        tgt = local_target.clamp(0, shard.num_valid - 1)
+        for sl in chunk_slices(num_tokens, chunk_tokens or max(num_tokens, 1)):
+            triton_kernels.row_stats(chunk_logits(sl)[:, : shard.num_valid], tgt[sl], inv_t, local[sl])
+        local[:, 3] = torch.where(owned, local[:, 3], 0.0)
     else:
         ws = workspace or ChunkWorkspace(rows, shard.num_valid, compute_dtype, device)
         tgt_all = local_target.clamp(0, shard.num_valid - 1)[:, None]

@@ -139,10 +139,13 @@ class RolloutPool:
         """Engine restarts seen so far (a transfer group that included a restarted engine
         must be rebuilt)."""
         self.last_stats: dict[str, float] = {}
+        self._pids: dict[int, int] = {}
+        """The last process id each engine answered from (what :meth:`restart` kills when the
+        engine does not answer in time to name it)."""
         # Wait for every engine to load: a bad model path fails here, naming the engine.
         for i, actor in enumerate(self.actors):
             try:
-                ray.get(actor.health.remote(), timeout=config.pool.restart_timeout_s)
+                self._pids[i] = ray.get(actor.health.remote(), timeout=config.pool.restart_timeout_s)["pid"]
             except Exception as exc:
                 self.shutdown()
                 raise RolloutEngineError(f"{self.engine_names[i]} failed to start: {exc}") from exc
@@ -346,6 +349,7 @@ class RolloutPool:
         name, actor = self.engine_names[engine], self.actors[engine]
         timeout_s = self.config.pool.restart_timeout_s
         health = wait_until_back(actor, name, timeout_s=timeout_s, replaces_pid=replaces_pid)
+        self._pids[engine] = health["pid"]
         self.restarts += 1
         try:
             if restore and health["weight_version"] != self._version:
@@ -552,7 +556,11 @@ class RolloutPool:
                 logger.info("%s is already restarting; waiting for it", self.engine_names[engine])
                 continue
             except ray.exceptions.GetTimeoutError:
-                pass
+                # Hung, or slow to answer on a loaded machine: it is still the process it
+                # last answered from, so wait for a different one (without a pid the dying
+                # process's next answer would count as the engine being back).
+                if engine in self._pids:
+                    killed_pids[engine] = self._pids[engine]
             ray.kill(self.actors[engine], no_restart=False)
         self._recover_all(engines, restore=restore, killed_pids=killed_pids)
 
@@ -590,7 +598,9 @@ class RolloutPool:
                 reports.append({"ok": False, "engine": self.engine_names[i], "error": self._dead[i]})
                 continue
             try:
-                reports.append(ray.get(actor.health.remote(), timeout=self.config.pool.restart_timeout_s))
+                report = ray.get(actor.health.remote(), timeout=self.config.pool.restart_timeout_s)
+                self._pids[i] = report["pid"]
+                reports.append(report)
             except Exception as exc:
                 reports.append({"ok": False, "engine": self.engine_names[i], "error": f"{type(exc).__name__}: {exc}"})
         return reports

@@ -1,6 +1,9 @@
 """The fused op on 2 and 4 tensor-parallel gloo ranks equals the naive float64 reference
 on the gathered logits: values, per-shard logit gradients, and in fused-linear mode the
-TP-summed hidden-state gradient and each rank's weight-shard gradient."""
+TP-summed hidden-state gradient and each rank's weight-shard gradient; with the torch
+kernel and with the Triton kernels."""
+
+import importlib.util
 
 import pytest
 import torch
@@ -31,7 +34,7 @@ def _pad(logits, to):
     return torch.cat([logits, extra], dim=-1)
 
 
-def _worker(rank, world, results):
+def _worker(rank, world, results, kernel="torch"):
     group = dist.group.WORLD
     report = results.append if rank == 0 else (lambda _: None)
 
@@ -46,7 +49,7 @@ def _worker(rank, world, results):
         want, want_grad, *_ = naive_loss(logits, targets, mask, old, ref, adv, cfg, temperature=0.7, phase=phase)
         x = _shard(_pad(logits, PADDED), rank, world).clone().requires_grad_()
         inputs = LossInputs(targets=targets, old_logp=old, advantages=adv, mask=mask, ref_logp=ref, phase=phase)
-        opts = VocabParallelOptions(temperature=0.7, tp_group=group, vocab_size=VOCAB, chunk_tokens=5)
+        opts = VocabParallelOptions(temperature=0.7, tp_group=group, vocab_size=VOCAB, chunk_tokens=5, kernel=kernel)
         out, _ = fused_policy_loss(x, inputs, cfg, opts)
         (out.loss_sum / out.count.to(out.loss_sum.dtype)).backward()
         want_shard = _shard(torch.nn.functional.pad(want_grad, (0, PADDED - VOCAB)), rank, world)
@@ -62,7 +65,7 @@ def _worker(rank, world, results):
     cfg = LOSS_CASES["grpo_kl_k3_entropy"]
     want, want_grad, want_lp, want_h, _ = naive_loss(logits, targets, mask, old, ref, adv, cfg, temperature=1.0)
     x = _shard(_pad(logits, PADDED), rank, world).clone().requires_grad_()
-    opts = VocabParallelOptions(tp_group=group, vocab_size=25, chunk_tokens=4, token_grad_norms=True)
+    opts = VocabParallelOptions(tp_group=group, vocab_size=25, chunk_tokens=4, token_grad_norms=True, kernel=kernel)
     out, stats = fused_policy_loss(x, LossInputs(targets=targets, old_logp=old, advantages=adv, mask=mask, ref_logp=ref), cfg, opts)
     (out.loss_sum / out.count.to(out.loss_sum.dtype)).backward()
     want_shard = _shard(torch.nn.functional.pad(want_grad, (0, PADDED - 25)), rank, world)
@@ -96,7 +99,7 @@ def _worker(rank, world, results):
         rows = slice(rank * (PADDED // world), (rank + 1) * (PADDED // world))
         w = weight[rows].clone().requires_grad_()
         inputs = LossInputs(targets=targets, old_logp=old, advantages=adv, mask=mask, ref_logp=ref, phase=phase)
-        opts = VocabParallelOptions(temperature=0.9, tp_group=group, vocab_size=VOCAB, chunk_tokens=4)
+        opts = VocabParallelOptions(temperature=0.9, tp_group=group, vocab_size=VOCAB, chunk_tokens=4, kernel=kernel)
         out, _ = fused_linear_policy_loss(h, w, inputs, cfg, opts)
         (out.loss_sum / out.count.to(out.loss_sum.dtype)).backward()
         errs = torch.tensor([
@@ -108,9 +111,15 @@ def _worker(rank, world, results):
         report((f"linear/{name}", errs.tolist()))
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_fused_loss_tensor_parallel_matches_reference(world):
-    results = run_on_ranks(_worker, world)
+@pytest.mark.parametrize(
+    "world,kernel",
+    # Triton: its interpreter on CPU (tests/conftest.py sets TRITON_INTERPRET=1, which the
+    # spawned ranks inherit), so the kernels' TP path meets the same float64 reference.
+    [(2, "torch"), (4, "torch"), pytest.param(2, "triton", marks=pytest.mark.skipif(
+        importlib.util.find_spec("triton") is None, reason="Triton is not installed"))],
+)
+def test_fused_loss_tensor_parallel_matches_reference(world, kernel):
+    results = run_on_ranks(_worker, world, kernel)
     assert len(results) == len(LOSS_CASES) + 3 + 2 + 2
     bad = []
     for name, (val, grad_abs, third) in results:

@@ -132,7 +132,7 @@ def test_chunk_budget_by_device():
     assert vp.chunk_budget_bytes("cpu") == vp.DEFAULT_CHUNK_BYTES == 4 * MiB
     assert vp.chunk_budget_bytes("cuda") == vp.chunk_budget_bytes(torch.device("cuda", 1)) == 256 * MiB
     assert vp.chunk_budget_bytes("cpu", linear=True) == vp.LINEAR_CHUNK_BYTES["cpu"] == 64 * MiB
-    assert vp.chunk_budget_bytes("cuda", linear=True) == vp.LINEAR_CHUNK_BYTES["cuda"] == 256 * MiB
+    assert vp.chunk_budget_bytes("cuda", linear=True) == vp.LINEAR_CHUNK_BYTES["cuda"] == 1024 * MiB
     assert vp.chunk_budget_bytes("meta") == vp.CHUNK_BYTES["cpu"]  # anything but CUDA: the CPU budget
     v_local = 151_936 // 4  # Qwen2.5's vocabulary at TP = 4
     assert vp.chunk_rows(10**6, v_local, None, "cpu") == 27
@@ -140,7 +140,7 @@ def test_chunk_budget_by_device():
     assert vp.chunk_rows(10**6, v_local, None) == 27  # the default device is the CPU
     assert vp.chunk_rows(100, v_local, None, "cuda") == 100  # never more rows than tokens
     assert vp.chunk_rows(10**6, v_local, 8, "cuda") == 8  # an explicit chunk size wins
-    assert vp.linear_chunk_rows(10**6, v_local, "cuda") == 1766
+    assert vp.linear_chunk_rows(10**6, v_local, "cuda") == 7067  # 1 GiB: the matmuls and the main_grad accumulation want large chunks
     assert vp.linear_chunk_rows(10**6, v_local, "cpu") == 441
 
 
@@ -216,7 +216,8 @@ def test_a_given_workspace_sets_the_chunk_size():
 
 
 @pytest.mark.gpu
-def test_no_device_sync_per_chunk_on_cuda():
+@pytest.mark.parametrize("kernel", ["torch", "triton"])
+def test_no_device_sync_per_chunk_on_cuda(kernel):
     """On CUDA: the synchronising calls (torch's sync debug mode) do not grow with the chunks."""
     logits, inputs = _inputs()
     dev = torch.device("cuda")
@@ -224,15 +225,18 @@ def test_no_device_sync_per_chunk_on_cuda():
 
     def syncs(chunk_tokens):
         x = logits.to(dev).requires_grad_()
+        options = VocabParallelOptions(chunk_tokens=chunk_tokens, kernel=kernel)
         torch.cuda.synchronize()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             torch.cuda.set_sync_debug_mode("warn")
             try:
-                out, _ = fused_policy_loss(x, inputs, CFG, VocabParallelOptions(chunk_tokens=chunk_tokens))
+                out, _ = fused_policy_loss(x, inputs, CFG, options)
                 out.loss_sum.backward()
             finally:
                 torch.cuda.set_sync_debug_mode("default")
-        return sum("synchronizing" in str(w.message) for w in caught)
+        return [f"{w.filename}:{w.lineno}" for w in caught if "synchronizing" in str(w.message)]
 
-    assert syncs(1) == syncs(21)
+    syncs(21)  # a first call may synchronise once more (lazy initialisation, kernel compilation)
+    few, many = syncs(21), syncs(1)
+    assert len(few) == len(many), (few, many)

@@ -88,14 +88,16 @@ def test_every_case_reports_finite_numbers(tiny_run):
     calib = by_case["calibration"][0]
     assert calib["copy_gb_per_s"] > 0 and calib["gemm_tflops"] > 0
     loss = {r["method"]: r for r in by_case["loss"] if r.get("method") and r["tokens"] == 256}
-    assert set(loss) == {"fused", "megatron_ce+entropy"}
+    assert set(loss) == {"fused", "fused[torch kernel]", "megatron_ce+entropy"}
     for rec in loss.values():
         assert rec["fwd_bwd_s"] > 0 and rec["x_floor"] > 0 and rec["floor_bytes"] == 256 * 1000 * 4
     agreement = next(r for r in by_case["loss"] if r["variant"].startswith("agreement"))
     assert agreement["loss_rel_diff"] < 1e-4  # both compute in float32 from the same bf16 logits
     assert agreement["grad_max_abs_diff"] <= 0.02 * agreement["grad_max_abs"]  # bf16 gradients
+    assert agreement["kernel"] == "torch"  # "auto" on a CPU: the chunked torch ops
+    assert agreement["grad_max_abs_diff_vs_torch_kernel"] <= 0.02 * agreement["grad_max_abs"]
     linear = {r["method"] for r in by_case["linear"] if r["status"] == "ok"}
-    assert linear == {"fused_linear", "unfused (hidden @ W^T, fused loss)"}
+    assert linear == {"fused_linear", "fused_linear[torch kernel]", "unfused (hidden @ W^T, fused loss)"}
     actor = next(r for r in by_case["actor"] if r["spec"] == "local")
     assert actor["tokens_per_s"] > 0 and actor["mfu_vs_measured_gemm"] > 0 and actor["step_skipped"] == 0
     te = next(r for r in by_case["actor"] if r["variant"] == "te spec")
