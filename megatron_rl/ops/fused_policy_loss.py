@@ -188,16 +188,6 @@ def _workspace(
     return ChunkWorkspace(rows, shard.num_valid, compute_dtype(dtype), device)
 
 
-def _kernel(options: VocabParallelOptions, x: torch.Tensor, vocab_local: int | None = None) -> str:
-    """The resolved kernel for these inputs; a padding-only rank takes the torch path (it
-    computes nothing)."""
-    kernel = resolve_kernel(options.kernel, x)
-    vocab_local = x.shape[-1] if vocab_local is None else vocab_local
-    if VocabShard.of(vocab_local, options.tp_group, options.vocab_size).num_valid == 0:
-        return "torch"
-    return kernel
-
-
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """float64 for float64 inputs, float32 for everything narrower (bf16, fp16, fp32)."""
     return torch.float64 if dtype == torch.float64 else torch.float32
@@ -250,7 +240,7 @@ class _FusedPolicyLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, inputs: LossInputs, config: AlgorithmConfig, options: VocabParallelOptions, holder):
         flat = logits.reshape(-1, logits.shape[-1])
-        kernel = _kernel(options, flat)
+        kernel = resolve_kernel(options.kernel, flat)
         ws = _workspace(flat.shape[0], flat.shape[-1], options, logits.dtype, logits.device, kernel)
         chunk = lambda sl: flat[sl]  # noqa: E731
         stats = _stats(chunk, inputs.targets, inputs.mask, flat.shape[-1], options, logits.dtype, ws, kernel)
@@ -308,7 +298,7 @@ class _FusedLinearPolicyLoss(torch.autograd.Function):
     def forward(ctx, hidden, weight, inputs: LossInputs, config, options: VocabParallelOptions, holder, main_grad):
         h = hidden.reshape(-1, hidden.shape[-1])
         chunk = lambda sl: h[sl] @ weight.t()  # noqa: E731
-        kernel = _kernel(options, h, weight.shape[0])
+        kernel = resolve_kernel(options.kernel, h)
         ws = _workspace(h.shape[0], weight.shape[0], options, hidden.dtype, hidden.device, kernel)
         stats = _stats(chunk, inputs.targets, inputs.mask, weight.shape[0], options, hidden.dtype, ws, kernel)
         need_grad = hidden.requires_grad or weight.requires_grad

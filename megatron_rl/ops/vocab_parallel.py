@@ -299,31 +299,32 @@ def softmax_stats(
     local = torch.zeros(num_tokens, 4, dtype=compute_dtype, device=device)  # m, S, B, t
     local_target = targets - shard.start
     owned = valid & (local_target >= 0) & (local_target < shard.num_valid)
-    # A given workspace fixes the chunk size (its buffers are that many rows).
-    rows = workspace.rows if workspace is not None else chunk_rows(num_tokens, vocab_local, chunk_tokens, device)
     inv_t = 1.0 / temperature
     if shard.num_valid == 0:  # a rank holding padding only takes no part in the softmax
         local[:, 0] = float("-inf")
-    elif kernel == "triton":
-        from megatron_rl.ops import triton_kernels
-
-        tgt = local_target.clamp(0, shard.num_valid - 1)
-        for sl in chunk_slices(num_tokens, chunk_tokens or max(num_tokens, 1)):
-            triton_kernels.row_stats(chunk_logits(sl)[:, : shard.num_valid], tgt[sl], inv_t, local[sl])
-        local[:, 3] = torch.where(owned, local[:, 3], 0.0)
     else:
-        ws = workspace or ChunkWorkspace(rows, shard.num_valid, compute_dtype, device)
-        tgt_all = local_target.clamp(0, shard.num_valid - 1)[:, None]
-        # No host synchronisation in this loop: everything stays on the device.
-        for sl in chunk_slices(num_tokens, rows):
-            z = ws.scaled_logits(chunk_logits(sl)[:, : shard.num_valid], inv_t)
-            m = z.amax(dim=-1)
-            local[sl, 0] = m
-            local[sl, 3] = z.gather(-1, tgt_all[sl]).squeeze(-1)
-            shifted = torch.sub(z, m[:, None], out=ws.b[: z.shape[0]])
-            e = torch.exp(shifted, out=ws.a[: z.shape[0]])  # z is dead now; reuse its buffer
-            local[sl, 1] = e.sum(dim=-1)
-            local[sl, 2] = torch.linalg.vecdot(e, shifted)
+        tgt = local_target.clamp(0, shard.num_valid - 1)
+        if kernel == "triton":
+            from megatron_rl.ops import triton_kernels
+
+            for sl in chunk_slices(num_tokens, chunk_tokens or max(num_tokens, 1)):
+                triton_kernels.row_stats(chunk_logits(sl)[:, : shard.num_valid], tgt[sl], inv_t, local[sl])
+        else:
+            # A given workspace fixes the chunk size (its buffers are that many rows).
+            rows = (
+                workspace.rows if workspace is not None else chunk_rows(num_tokens, vocab_local, chunk_tokens, device)
+            )
+            ws = workspace or ChunkWorkspace(rows, shard.num_valid, compute_dtype, device)
+            # No host synchronisation in this loop: everything stays on the device.
+            for sl in chunk_slices(num_tokens, rows):
+                z = ws.scaled_logits(chunk_logits(sl)[:, : shard.num_valid], inv_t)
+                m = z.amax(dim=-1)
+                local[sl, 0] = m
+                local[sl, 3] = z.gather(-1, tgt[sl, None]).squeeze(-1)
+                shifted = torch.sub(z, m[:, None], out=ws.b[: z.shape[0]])
+                e = torch.exp(shifted, out=ws.a[: z.shape[0]])  # z is dead now; reuse its buffer
+                local[sl, 1] = e.sum(dim=-1)
+                local[sl, 2] = torch.linalg.vecdot(e, shifted)
         local[:, 3] = torch.where(owned, local[:, 3], 0.0)
 
     _, size = tp_rank_and_size(tp_group)
