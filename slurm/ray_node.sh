@@ -18,6 +18,7 @@
 #   MEGATRON_RL_RAY_OBJECT_STORE_BYTES  object store size per node (default: Ray's, 30% of RAM)
 #   MEGATRON_RL_RAY_NODE_PORT_BASE      fixed ports (for firewalled clusters): node k uses
 #       BASE + k*STRIDE + 1..6 for its own services and BASE + k*STRIDE + 100.. for workers
+#       (the head's GCS port is BASE unless MEGATRON_RL_RAY_PORT says otherwise)
 #   MEGATRON_RL_RAY_PORT_STRIDE         per-node port offset, 0 by default; set it (>= 200,
 #       e.g. 1000) when several Slurm nodes share one host
 # Without MEGATRON_RL_RAY_NODE_PORT_BASE Ray picks its ports, except the dashboard agent's

@@ -12,7 +12,8 @@
 #                       by Slurm (`scancel JOB.STEP`). Killing the srun process instead
 #                       would make srun abort its step (SIGKILL), not pass SIGTERM on.
 #
-# Settings (environment): MEGATRON_RL_RAY_PORT (the head's GCS port; default a free one),
+# Settings (environment): MEGATRON_RL_RAY_PORT (the head's GCS port; default
+# MEGATRON_RL_RAY_NODE_PORT_BASE when that is set, else a free one),
 # MEGATRON_RL_RAY_HEAD_IP (default: the first address of `hostname -I`),
 # MEGATRON_RL_SRUN_ARGS (extra srun flags for the Ray steps, split on whitespace),
 # MEGATRON_RL_LOG_DIR (each Ray node's log, default the job's working directory), and the
@@ -29,8 +30,17 @@ ray_cluster_start() {
   for n in "${nodes[@]}"; do [ "$n" = "$head" ] || workers+=("$n"); done
   export MRL_RAY_NODES="$head ${workers[*]}"
   export MRL_RAY_HEAD_IP=${MEGATRON_RL_RAY_HEAD_IP:-$( (hostname -I 2>/dev/null || hostname -i) | awk '{print $1}')}
-  export MRL_RAY_PORT=${MEGATRON_RL_RAY_PORT:-$(mrl_run python -c \
-    'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])')}
+  # With fixed node ports the GCS port is fixed too (BASE: the head's own services use
+  # BASE+1..6): a free port picked at random lies in the ephemeral range, which can
+  # overlap the fixed worker ports (BASE+100..), and a firewall must know it anyway.
+  if [ -n "${MEGATRON_RL_RAY_PORT:-}" ]; then
+    export MRL_RAY_PORT=$MEGATRON_RL_RAY_PORT
+  elif [ -n "${MEGATRON_RL_RAY_NODE_PORT_BASE:-}" ]; then
+    export MRL_RAY_PORT=$MEGATRON_RL_RAY_NODE_PORT_BASE
+  else
+    MRL_RAY_PORT=$(mrl_run python -c 'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])')
+    export MRL_RAY_PORT
+  fi
   export MRL_RAY_LOG_DIR=${MEGATRON_RL_LOG_DIR:-$PWD}
   read -r -a srun_extra <<<"${MEGATRON_RL_SRUN_ARGS:-}"
   # Ray authenticates connections with a token when it finds one (by default in

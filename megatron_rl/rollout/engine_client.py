@@ -47,12 +47,22 @@ def actor_errors() -> tuple[type[BaseException], ...]:
     return (rex.RayActorError, rex.WorkerCrashedError)
 
 
-def wait_until_back(actor: Any, name: str, *, timeout_s: float, replaces_pid: int | None = None) -> dict[str, Any]:
+def wait_until_back(
+    actor: Any, name: str, *, timeout_s: float, replaces_pid: int | None = None, may_restart: bool = False
+) -> dict[str, Any]:
     """Wait until a restarting engine actor answers; its health report.
 
     ``replaces_pid``: the process the restart replaces (known when the caller killed it).
     ``ray.kill`` is asynchronous, so a call made right after it can still be answered by
     the dying process; only an answer from another process means the engine is back.
+
+    ``may_restart``: Ray still has a restart for this actor by the caller's count (its
+    deaths so far <= ``max_restarts``). Then an ``ActorDiedError`` is a call racing the
+    restart (a call that reaches the dead process before the driver learns of the
+    restart reads "died"; on a loaded machine several in a row do), and is waited out
+    until ``timeout_s``. Without one, three such errors in a row mean it is out of
+    restarts. An actor whose constructor raised is dead at once either way (Ray does not
+    re-run a constructor that failed).
 
     Raises :class:`RolloutEngineError` when it is out of restarts or not back in ``timeout_s``.
     """
@@ -67,10 +77,8 @@ def wait_until_back(actor: Any, name: str, *, timeout_s: float, replaces_pid: in
                 return health
             time.sleep(0.2)  # the old process answered: the kill has not landed yet
         except ray.exceptions.ActorDiedError as exc:
-            # Unavailable = restarting; Died on a fresh call = out of restarts (checked a
-            # few times: the error of a call racing the restart can also read "died").
             died += 1
-            if died >= 3:
+            if exc.actor_init_failed or (not may_restart and died >= 3):
                 raise RolloutEngineError(f"{name} is dead and will not restart: {exc}") from exc
             time.sleep(0.5)
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):

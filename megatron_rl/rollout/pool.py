@@ -36,10 +36,8 @@ from __future__ import annotations
 
 import collections
 import logging
-import math
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from megatron_rl.config.rollout import RolloutConfig
@@ -50,6 +48,7 @@ from megatron_rl.rollout.base import (
     check_prompts,
     prompt_seeds_for,
 )
+from megatron_rl.rollout.dispatch import Request, pick_engine, split_requests
 from megatron_rl.rollout.engine_client import (
     EngineGroupClient,
     RolloutEngineError,
@@ -65,23 +64,6 @@ from megatron_rl.weight_transfer.meta import TensorMeta
 __all__ = ["RolloutEngineError", "RolloutPool"]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class _Request:
-    """One slice of a ``generate`` call: prompts ``[lo, hi)``."""
-
-    index: int
-    lo: int
-    hi: int
-    work: int
-    num_requests: int
-    attempts: int = 0
-    engine: int = -1
-    timed_out: bool = False
-
-    def describe(self, num_prompts: int) -> str:
-        return f"request {self.index}/{self.num_requests} (prompts {self.lo}..{self.hi - 1} of {num_prompts})"
 
 
 class RolloutPool:
@@ -139,6 +121,9 @@ class RolloutPool:
         """Engine restarts seen so far (a transfer group that included a restarted engine
         must be rebuilt)."""
         self.last_stats: dict[str, float] = {}
+        self._restarts_seen: dict[int, int] = {}
+        """Restarts of each engine seen so far (answers from a new process): whether Ray
+        still has one for it (``max_restarts``) when a call to it reads "died"."""
         self._pids: dict[int, int] = {}
         """The last process id each engine answered from (what :meth:`restart` kills when the
         engine does not answer in time to name it)."""
@@ -193,9 +178,12 @@ class RolloutPool:
         check_prompts(prompts)
         prompts = [list(map(int, p)) for p in prompts]
         seeds = prompt_seeds_for(params.seed, range(num_prompts))
-        requests = self._split(prompts, params)
+        requests = split_requests(
+            prompts, params, num_live=len(self.live_engines),
+            max_prompts_per_request=self.config.pool.max_prompts_per_request,
+        )  # fmt: skip
         pending = collections.deque(requests)
-        inflight: dict[ray.ObjectRef, _Request] = {}
+        inflight: dict[ray.ObjectRef, Request] = {}
         outstanding = [0] * self.num_engines
         queued = [0] * self.num_engines
         progress_at = [0.0] * self.num_engines  # last submit-to-idle or completion, per engine
@@ -205,7 +193,9 @@ class RolloutPool:
 
         while pending or inflight:
             while pending:
-                engine = self._pick_engine(outstanding, queued)
+                engine = pick_engine(
+                    self.live_engines, outstanding, queued, cap=self.config.pool.max_inflight_requests_per_engine
+                )
                 if engine is None:
                     break
                 req = pending.popleft()
@@ -262,36 +252,12 @@ class RolloutPool:
         }
         return results  # type: ignore[return-value]
 
-    def _split(self, prompts: list[list[int]], params: SamplingParams) -> list[_Request]:
-        """Contiguous prompt ranges; a prompt's n samples always stay in one request."""
-        live = max(1, len(self.live_engines))
-        size = self.config.pool.max_prompts_per_request or math.ceil(len(prompts) / live)
-        bounds = [(lo, min(lo + size, len(prompts))) for lo in range(0, len(prompts), size)]
-        return [
-            _Request(
-                index=i,
-                lo=lo,
-                hi=hi,
-                work=sum(len(p) + params.n * params.max_new_tokens for p in prompts[lo:hi]),
-                num_requests=len(bounds),
-            )
-            for i, (lo, hi) in enumerate(bounds)
-        ]
-
-    def _pick_engine(self, outstanding: list[int], queued: list[int]) -> int | None:
-        """The live engine with the least outstanding work that has room for a request."""
-        cap = self.config.pool.max_inflight_requests_per_engine
-        candidates = [i for i in self.live_engines if queued[i] < cap]
-        if not candidates:
-            return None
-        return min(candidates, key=lambda i: (outstanding[i], queued[i], i))
-
-    def _busy_engines(self, inflight: dict[Any, _Request]) -> set[int]:
+    def _busy_engines(self, inflight: dict[Any, Request]) -> set[int]:
         """Engines with work in flight that have not already been killed for a time-out."""
         timed_out = {req.engine for req in inflight.values() if req.timed_out}
         return {req.engine for req in inflight.values()} - timed_out
 
-    def _wait_timeout(self, inflight: dict[Any, _Request], progress_at: list[float]) -> float | None:
+    def _wait_timeout(self, inflight: dict[Any, Request], progress_at: list[float]) -> float | None:
         """Seconds until a busy engine would exceed ``request_timeout_s`` without progress."""
         limit = self.config.pool.request_timeout_s
         busy = self._busy_engines(inflight)
@@ -299,7 +265,7 @@ class RolloutPool:
             return None  # requests of killed engines fail as soon as the kill lands
         return max(0.0, min(progress_at[e] for e in busy) + limit - time.monotonic())
 
-    def _kill_hung(self, inflight: dict[Any, _Request], progress_at: list[float]) -> None:
+    def _kill_hung(self, inflight: dict[Any, Request], progress_at: list[float]) -> None:
         """Kill (so Ray restarts) engines that finished nothing for ``request_timeout_s``.
 
         The clock of an engine runs from when it got work while idle, or from its last
@@ -320,7 +286,7 @@ class RolloutPool:
                         req.timed_out = True
                 ray.kill(self.actors[engine], no_restart=False)
 
-    def _before_retry(self, req: _Request, cause: str, exc: BaseException | None, num_prompts: int) -> None:
+    def _before_retry(self, req: Request, cause: str, exc: BaseException | None, num_prompts: int) -> None:
         """Bring the failed request's engine back (or give it up) before one retry."""
         name = self.engine_names[req.engine]
         req.attempts += 1
@@ -347,9 +313,12 @@ class RolloutPool:
         import ray
 
         name, actor = self.engine_names[engine], self.actors[engine]
-        timeout_s = self.config.pool.restart_timeout_s
-        health = wait_until_back(actor, name, timeout_s=timeout_s, replaces_pid=replaces_pid)
-        self._pids[engine] = health["pid"]
+        max_restarts = self.config.pool.max_restarts
+        health = wait_until_back(
+            actor, name, timeout_s=self.config.pool.restart_timeout_s, replaces_pid=replaces_pid,
+            may_restart=max_restarts < 0 or self._restarts_seen.get(engine, 0) < max_restarts,
+        )  # fmt: skip
+        self._saw_pid(engine, health["pid"])
         self.restarts += 1
         try:
             if restore and health["weight_version"] != self._version:
@@ -359,6 +328,12 @@ class RolloutPool:
                 ray.get(actor.sleep.remote())
         except (ray.exceptions.RayError, TransferFailedError) as exc:
             raise RolloutEngineError(f"{name} failed while restoring its state after a restart: {exc}") from exc
+
+    def _saw_pid(self, engine: int, pid: int) -> None:
+        """Record the process ``engine`` answered from; a new one is a restart."""
+        if engine in self._pids and self._pids[engine] != pid:
+            self._restarts_seen[engine] = self._restarts_seen.get(engine, 0) + 1
+        self._pids[engine] = pid
 
     def _restore(self, engines: list[int]) -> None:
         """Bring restarted ``engines`` to the pool's weight version."""
@@ -599,7 +574,7 @@ class RolloutPool:
                 continue
             try:
                 report = ray.get(actor.health.remote(), timeout=self.config.pool.restart_timeout_s)
-                self._pids[i] = report["pid"]
+                self._saw_pid(i, report["pid"])
                 reports.append(report)
             except Exception as exc:
                 reports.append({"ok": False, "engine": self.engine_names[i], "error": f"{type(exc).__name__}: {exc}"})

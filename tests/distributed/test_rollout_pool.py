@@ -40,11 +40,13 @@ def ckpts(tmp_path_factory):
 @pytest.fixture(scope="module")
 def pool(ray_cluster, ckpts):
     # A request takes well under a second here; the 5 s time-out only matters for the hang test.
+    # The module kills one engine up to four times (which one the armed faults hit is a
+    # race), more than the default max_restarts=3 allows.
     config = RolloutConfig(
         engine="tests.helpers.rollout_engines:FaultOnceEngine",
         engine_args={"arm_file": str(ckpts[2])},
         num_engines=2,
-        pool=PoolConfig(restart_timeout_s=120, request_timeout_s=5),
+        pool=PoolConfig(restart_timeout_s=120, request_timeout_s=5, max_restarts=10),
     )
     pool = RolloutPool(config, str(ckpts[0]), placement=GroupPlacement.uniform(2, num_cpus=1))
     yield pool
@@ -179,3 +181,22 @@ def test_request_failing_twice_names_engine_and_request(ray_cluster, ckpts):
 def test_bad_model_path_fails_at_start_naming_the_engine(ray_cluster, tmp_path):
     with pytest.raises(RolloutEngineError, match="rollout-0 failed to start"):
         RolloutPool(RolloutConfig(pool=PoolConfig(max_restarts=0)), str(tmp_path / "missing"))
+
+
+def test_engine_out_of_restarts_is_given_up_and_the_others_serve(ray_cluster, ckpts):
+    # max_restarts=0: the killed engine never comes back. The pool knows Ray has no restart
+    # left for it, so it is declared dead (not waited for until restart_timeout_s), and
+    # the other engine serves every request.
+    config = RolloutConfig(num_engines=2, pool=PoolConfig(max_restarts=0, restart_timeout_s=600))
+    small = RolloutPool(config, str(ckpts[0]), name_prefix="once", placement=GroupPlacement.uniform(2, num_cpus=1))
+    try:
+        small.restart([1])
+        assert small.live_engines == [0]
+        dead = small.health()[1]
+        assert not dead["ok"] and "once-1 is dead and will not restart" in dead["error"]
+        results = small.generate(PROMPTS, PARAMS)
+        assert {c.engine for g in results for c in g} == {"once-0"}
+        with pytest.raises(RolloutEngineError, match="every rollout engine is dead"):
+            small.restart([0])
+    finally:
+        small.shutdown()

@@ -109,15 +109,18 @@ def test_train_over_two_nodes(local_slurm, tmp_path, ray_env):
 
 def test_trainer_failure_fails_the_job(local_slurm, tmp_path, ray_env):
     # A missing data file: the trainer exits 2 after the Ray cluster is up. This job also
-    # takes the fixed-port path (per-node offsets, as when fake nodes share a host).
-    env = {**ray_env, "MEGATRON_RL_RAY_NODE_PORT_BASE": "41000", "MEGATRON_RL_RAY_PORT_STRIDE": "1000"}
+    # takes the fixed-port path (per-node offsets, as when fake nodes share a host), below
+    # the kernel's ephemeral range (32768..) so no outgoing connection can hold one of them.
+    env = {**ray_env, "MEGATRON_RL_RAY_NODE_PORT_BASE": "21000", "MEGATRON_RL_RAY_PORT_STRIDE": "1000"}
     missing = tmp_path / "no_such_train.jsonl"
     job = local_slurm.submit_and_wait(
         *sbatch_args(tmp_path, "train.sbatch"), str(EXAMPLE),
         *train_overrides(tmp_path, f"data.train_files=[{missing}]"), env=env,
     )  # fmt: skip
-    assert (job.state, job.exit_code) == ("FAILED", 2), job.stdout[-6000:]
+    ray_logs = "".join(f"\n--- {log.name}\n{log.read_text()[-3000:]}" for log in sorted(tmp_path.glob("ray-*.log")))
+    assert (job.state, job.exit_code) == ("FAILED", 2), job.stdout[-6000:] + ray_logs
     assert job.wait_rc == 2
+    assert ":21000; workers on" in job.stdout  # the GCS port follows the fixed base
     assert str(missing) in job.stdout
     assert "all 2 Ray nodes are alive" in job.stdout
     assert "Ray stopped" in job.stdout

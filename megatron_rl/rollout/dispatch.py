@@ -1,0 +1,62 @@
+"""How a ``RolloutPool.generate`` call is cut into requests and where each request goes.
+
+Pure functions of the pool's counters (no Ray): a call's prompts become contiguous ranges
+(:func:`split_requests`), and each request goes to the live engine with the least
+outstanding work that still has room (:func:`pick_engine`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from megatron_rl.rollout.base import SamplingParams
+
+__all__ = ["Request", "pick_engine", "split_requests"]
+
+
+@dataclass
+class Request:
+    """One slice of a ``generate`` call: prompts ``[lo, hi)``."""
+
+    index: int
+    lo: int
+    hi: int
+    work: int
+    """Estimated tokens: prompt tokens plus ``n * max_new_tokens`` per prompt."""
+    num_requests: int
+    attempts: int = 0
+    engine: int = -1
+    timed_out: bool = False
+
+    def describe(self, num_prompts: int) -> str:
+        return f"request {self.index}/{self.num_requests} (prompts {self.lo}..{self.hi - 1} of {num_prompts})"
+
+
+def split_requests(
+    prompts: Sequence[Sequence[int]], params: SamplingParams, *, num_live: int, max_prompts_per_request: int | None
+) -> list[Request]:
+    """Contiguous prompt ranges, one per live engine unless ``max_prompts_per_request``
+    caps them; a prompt's ``n`` samples always stay in one request."""
+    size = max_prompts_per_request or math.ceil(len(prompts) / max(1, num_live))
+    bounds = [(lo, min(lo + size, len(prompts))) for lo in range(0, len(prompts), size)]
+    return [
+        Request(
+            index=i,
+            lo=lo,
+            hi=hi,
+            work=sum(len(p) + params.n * params.max_new_tokens for p in prompts[lo:hi]),
+            num_requests=len(bounds),
+        )
+        for i, (lo, hi) in enumerate(bounds)
+    ]
+
+
+def pick_engine(live: Sequence[int], outstanding: Sequence[int], queued: Sequence[int], *, cap: int) -> int | None:
+    """The live engine with the least outstanding work (then fewest queued requests, then
+    lowest index) among those with fewer than ``cap`` requests queued; ``None`` if all are full."""
+    candidates = [i for i in live if queued[i] < cap]
+    if not candidates:
+        return None
+    return min(candidates, key=lambda i: (outstanding[i], queued[i], i))
