@@ -23,6 +23,7 @@ with the ratios (ours / TRL) and a Welch t-test of the per-seed mean reward of t
 5 steps.
 
     python benchmarks/vs_trl.py [--steps 30] [--seeds 3] [--trl-python /path/to/python]
+                                [--ours-overrides rollout.max_staleness=1 ...]
 """
 
 from __future__ import annotations
@@ -183,6 +184,9 @@ def main() -> None:
     parser.add_argument("--trl-python", default=sys.executable, help="an interpreter that can import trl")
     parser.add_argument("--idle-load", type=float, default=0.5, help="wait for a 1-minute load average below this")
     parser.add_argument("--idle-timeout-s", type=float, default=300.0)
+    parser.add_argument("--ours-overrides", nargs="*", default=[], metavar="KEY=VALUE",
+                        help="config overrides for megatron_rl's run (e.g. rollout.max_staleness=1), "
+                             "printed with the results")  # fmt: skip
     parser.add_argument("--trl-run", nargs=3, metavar=("WORK", "SEED", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.trl_run:
@@ -212,7 +216,7 @@ def main() -> None:
             # megatron_rl
             load = wait_idle(args.idle_load, args.idle_timeout_s)
             cfg = _ours_config(work, work / "model", args.steps, seed)
-            wall, pss = _timed([sys.executable, "-m", "megatron_rl", "train", str(cfg)], env)
+            wall, pss = _timed([sys.executable, "-m", "megatron_rl", "train", str(cfg), *args.ours_overrides], env)
             records = read_metrics(work / "runs" / f"ours_seed{seed}")
             runs["megatron_rl"].append({
                 "seed": seed, "step_s": statistics.median(r["timing_s/step"] for r in records[skip:]),
@@ -228,6 +232,7 @@ def main() -> None:
     first = {f: [statistics.mean(r["reward"][:5]) for r in runs[f]] for f in runs}
     summary = {
         "bench": "vs_trl", "summary": True, "steps": args.steps, "seeds": args.seeds,
+        "ours_overrides": args.ours_overrides,
         "cpu": cpu_model(), "cores": os.cpu_count(),
         **{f"{f}_{k}": med(f, k) for f in runs for k in ("step_s", "process_s", "pss_peak_bytes")},
         "step_ratio": med("megatron_rl", "step_s") / med("trl", "step_s"),

@@ -11,7 +11,9 @@ the sections it needs, by reference. Order matters and is the same on every run:
    from an :class:`~megatron_rl.actor.spec.ActorSpec`) with their initial weights;
 3. the directory the rollout engines start from (the run's HF directory, or config +
    tokenizer + the actor's initial weights streamed by its rank 0), the engine pool, and
-   the run's weight sync (``weight_sync.py``, transport from ``rollout.weight_transport``);
+   the run's weight sync (``weight_sync.py``, transport from ``rollout.weight_transport``).
+   When the engines start from a HF directory and do not share GPUs with the actor,
+   steps 2 and 3 overlap: the actor ranks build their models while the engines load;
 4. the reward workers and the metrics sink.
 
 Placement (where each actor rank and engine runs) comes from :mod:`megatron_rl.placement`:
@@ -180,12 +182,24 @@ def build_run(config: RunConfig, *, checked: Preflight | None = None) -> Run:
             },
         )
     actor_group, engine_group, gpu_placement = _placements(config)
-    actors = ActorGroup(actor_spec(config), actor_group)
-    if config.model.initial_weights is not None:
-        actors.load_initial_weights(config.model.initial_weights)
-    engine_dir = _engine_model_dir(config, run_dir, hf_config, tokenizer, actors)
-    pool = RolloutPool(config.rollout, str(engine_dir), placement=engine_group, weight_backend=backend,
-                       weight_format=config.rollout.weight_dtype)  # fmt: skip
+    # The actor ranks build their models while the engines start and load, when the
+    # engines start from a HF directory (not from the actor's weights) and do not share
+    # GPUs with the actor (a colocated engine sizes its memory from what is free then).
+    initial = config.model.initial_weights
+    overlap = initial is not None and is_hf_directory(initial) and not (
+        gpu_placement is not None and config.rollout.placement == "colocated"
+    )
+    actors = ActorGroup(actor_spec(config), actor_group, wait=not overlap)
+
+    def start_pool(model_dir: Path) -> RolloutPool:
+        return RolloutPool(config.rollout, str(model_dir), placement=engine_group, weight_backend=backend,
+                           weight_format=config.rollout.weight_dtype)  # fmt: skip
+
+    pool = start_pool(Path(initial)) if overlap else None
+    if initial is not None:
+        actors.load_initial_weights(initial)
+    if pool is None:
+        pool = start_pool(_engine_model_dir(config, run_dir, hf_config, tokenizer, actors))
     weight_sync = WeightSync(actors, pool, config.rollout, transport=transport, backend=backend)
     write_placement(
         run_dir / "placement.json",

@@ -25,7 +25,8 @@ probabilities of the local spec's unfused softmax (``s`` the sequence length; no
 Transformer Engine's flash attention, nor with selective recompute). ``full`` recompute
 keeps only each layer's input plus one recompute unit's activations. The planner is
 checked against measured peaks of real train steps on CPU
-(``tests/distributed/test_planner.py``: within 15%).
+(``tests/distributed/test_planner.py``: the plan covers the live peak, at most 25%
+above it).
 """
 
 from __future__ import annotations

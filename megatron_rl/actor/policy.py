@@ -48,10 +48,22 @@ from megatron_rl.ops import (
     vocab_parallel_logprobs,
     vocab_parallel_logprobs_from_hidden,
 )
+from megatron_rl.ops.vocab_parallel import resolve_kernel
 
-__all__ = ["LogProbs", "PolicyModel", "pad_multiple"]
+__all__ = ["LogProbs", "PolicyModel", "check_loss_kernel", "pad_multiple"]
 
 _TOKEN_FIELDS = ("targets", "old_logp", "advantages", "mask", "ref_logp")
+
+
+def check_loss_kernel(kernel: str, on: torch.device, dtype: torch.dtype) -> None:
+    """``actor.loss_kernel`` can run for logits of ``dtype`` on device ``on``, checked when
+    the actor starts rather than at its first loss (``ConfigError`` naming the field)."""
+    from megatron_rl.configlib import ConfigError
+
+    try:
+        resolve_kernel(kernel, torch.empty(0, device=on, dtype=dtype))
+    except ValueError as e:
+        raise ConfigError("actor.loss_kernel", str(e)) from None
 
 
 @dataclass(kw_only=True)
@@ -99,6 +111,7 @@ class PolicyModel:
         self.transformer_config = build_transformer_config(
             self.hf_config, parallel=spec.parallel, options=spec.model, actor=spec.actor
         )
+        check_loss_kernel(spec.actor.loss_kernel, device(), self.transformer_config.params_dtype)
         self.model = build_gpt_model(
             self.hf_config,
             self.transformer_config,

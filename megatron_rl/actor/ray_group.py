@@ -81,11 +81,14 @@ class ActorWorker:
             port = s.getsockname()[1]
         return ray.util.get_node_ip_address(), port
 
-    def setup(self, *, master_addr: str, master_port: int, spec: ActorSpec) -> None:
+    def setup(self, rendezvous: tuple[str, int], spec: ActorSpec) -> None:
+        """Join the Megatron world at rank 0's ``rendezvous`` (address, port) and build the
+        actor (and reference) from ``spec``."""
         from megatron_rl.actor.actor import MegatronActor
         from megatron_rl.actor.launch import init_process_group, initialize_parallel
         from megatron_rl.actor.reference import ReferencePolicy
 
+        master_addr, master_port = rendezvous
         os.environ.update(
             MASTER_ADDR=master_addr,
             MASTER_PORT=str(master_port),
@@ -229,9 +232,13 @@ class ActorGroup:
         spec: what every rank builds (sent once, at construction).
         placement: where each rank runs (:mod:`megatron_rl.placement`); default: Ray's own
             scheduling, no reserved resources, one torch thread per rank.
+        wait: return once every rank has built its model (a failure raises here); false
+            returns at once, the ranks start and build in the background, and the first
+            call that uses them (or :meth:`wait_ready`) waits and raises a failure. So
+            the driver can start the engines meanwhile.
     """
 
-    def __init__(self, spec: ActorSpec, placement: GroupPlacement | None = None):
+    def __init__(self, spec: ActorSpec, placement: GroupPlacement | None = None, *, wait: bool = True):
         num_ranks = spec.parallel.num_actor_ranks
         placement = placement or GroupPlacement.uniform(num_ranks)
         if len(placement) != num_ranks:
@@ -245,11 +252,22 @@ class ActorGroup:
             .remote(rank=r, world_size=num_ranks, torch_threads=placement.torch_threads)
             for r, options in enumerate(placement.ray_options)
         ]
-        addr, port = ray.get(self.workers[0].address.remote())
-        self._all("setup", master_addr=addr, master_port=port, spec=spec)
+        # Rank 0's address goes to every rank's setup as a reference Ray resolves when
+        # rank 0 has started: nothing here waits for a process.
+        rendezvous = self.workers[0].address.remote()
+        self._setup: list[Any] | None = [w.setup.remote(rendezvous, spec) for w in self.workers]
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> None:
+        """Wait until every rank has built its model; raises the first rank's failure."""
+        pending, self._setup = self._setup, None
+        if pending:
+            ray.get(pending)
 
     def _all(self, method: str, *args, **kwargs) -> Any:
         """Run ``method`` on every rank (collective); rank 0's result."""
+        self.wait_ready()
         refs = [getattr(w, method).remote(*args, **kwargs) for w in self.workers]
         return ray.get(refs)[0]
 
@@ -282,6 +300,7 @@ class ActorGroup:
 
     def transitions(self) -> list[tuple[float, str]]:
         """Rank 0's recent (wall time, event) pairs: logprobs, train, offload, onload, sync."""
+        self.wait_ready()
         return ray.get(self.workers[0].get_transitions.remote())
 
     def state_dict(self) -> dict[str, int]:
@@ -305,6 +324,7 @@ class ActorGroup:
     def weight_metadata(self, dtype: str = "float32", *, fp8: bool = False) -> list[TensorMeta]:
         """Every HF-named tensor a sync sends, in order, in ``dtype`` (``fp8``: projection
         weights as FP8 plus their block scales)."""
+        self.wait_ready()
         return ray.get(self.workers[0].weight_metadata.remote(dtype, fp8))
 
     def weight_buckets(
@@ -313,6 +333,7 @@ class ActorGroup:
         """ObjectRefs of the model's weight buckets (HF names, ``dtype``), produced lazily by
         rank 0: rank 0 runs at most ``max_buffered`` buckets ahead of the consumer
         (``RolloutPool.sync``). Consume to the end: every rank takes part in the gathers."""
+        self.wait_ready()
         streams = [
             w.stream_weight_buckets.options(
                 num_returns="streaming", _generator_backpressure_num_objects=max_buffered
@@ -350,6 +371,7 @@ class ActorGroup:
 
     def node_ids(self) -> list[str]:
         """The Ray node id of every rank, in rank order."""
+        self.wait_ready()
         return ray.get([w.node_id.remote() for w in self.workers])
 
     def shutdown(self) -> None:

@@ -179,8 +179,8 @@ class ActorConfig:
 
     loss_kernel: Literal["auto", "torch", "triton"] = "auto"
     """The fused loss's passes over the logits (``ops.vocab_parallel.resolve_kernel``):
-    ``triton`` reads the logits once per pass (``ops.triton_kernels``; CUDA only, an error
-    elsewhere), ``torch`` runs chunked torch ops (any device; the reference the Triton
+    ``triton`` reads the logits once per pass (``ops.triton_kernels``; CUDA only: a
+    ``ConfigError`` when the actor starts elsewhere, or with float64 weights), ``torch`` runs chunked torch ops (any device; the reference the Triton
     kernels are tested against), ``auto`` picks Triton on CUDA when it imports."""
 
     old_logp_source: Literal["auto", "recompute"] = "auto"

@@ -9,14 +9,21 @@ packed input. :class:`PackedDotProductAttention` is that class with packed input
 accepted; the layer spec selects it (``DecoderAdapter.layer_spec``), nothing is patched.
 
 Packed, the attention is block-diagonal causal: a token attends to the earlier tokens of
-its own sequence only. It is computed block by block, never as one ``[t, t]`` mask (whose
-cost grows with the square of the whole pack): megatron's own attention runs on each
-segment of the pack alone, a ``[len, 1, heads, dim]`` view of it, with a causal mask,
-and the outputs are laid back end to end. So each sequence sees exactly what it would
-see alone, and the attention costs the sum of the squared sequence lengths (what a
-variable-length kernel costs), not the square of the pack's nor that of its longest
-sequence times the sequence count. Unpacked input goes to ``DotProductAttention``
-unchanged, so results equal the local spec's.
+its own sequence only. It is never computed as one ``[t, t]`` mask (whose cost grows
+with the square of the whole pack). Two ways, both megatron's own attention with a mask,
+chosen per call by cost:
+
+- **batched**: the segments padded to the longest, ``[longest, n_seq, heads, dim]``, in
+  one call with a causal + key-padding mask, the padding rows dropped after. It costs
+  ``n_seq * longest**2``; taken when that is at most twice the sum of the squared
+  lengths (segments of similar length), because one call saves the per-call overhead
+  that dominates short sequences (the RL case: many sequences of a few hundred tokens).
+- **per segment**: each segment alone, a ``[len, 1, heads, dim]`` view, with a causal
+  mask; it costs the sum of the squared lengths (what a variable-length kernel costs),
+  for packs that mix a long sequence with short ones.
+
+Either way each sequence sees exactly what it would see alone. Unpacked input goes to
+``DotProductAttention`` unchanged, so results equal the local spec's.
 """
 
 from __future__ import annotations
@@ -24,7 +31,16 @@ from __future__ import annotations
 import torch
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 
-__all__ = ["PackedDotProductAttention"]
+__all__ = ["BATCH_PADDING_FACTOR", "PackedDotProductAttention", "pads_into_one_call"]
+
+BATCH_PADDING_FACTOR = 2
+"""Segments go through one padded call when ``n_seq * longest**2`` is at most this many
+times the sum of their squared lengths (the attention work done for padding)."""
+
+
+def pads_into_one_call(lengths: list[int]) -> bool:
+    """Whether segments of these lengths are attended in one padded call (else one by one)."""
+    return len(lengths) * max(lengths) ** 2 <= BATCH_PADDING_FACTOR * sum(n * n for n in lengths)
 
 
 class PackedDotProductAttention(DotProductAttention):
@@ -54,6 +70,8 @@ class PackedDotProductAttention(DotProductAttention):
         lengths = (cu[1:] - cu[:-1]).tolist()
         longest = max(lengths)
         causal = torch.ones(longest, longest, dtype=torch.bool, device=query.device).triu(diagonal=1)
+        if pads_into_one_call(lengths):
+            return self._batched(query, key, value, lengths, causal, attn_mask_type, attention_bias)
         outputs = []
         for q, k, v in zip(*(t.split(lengths) for t in (query, key, value))):
             n = q.shape[0]
@@ -61,3 +79,23 @@ class PackedDotProductAttention(DotProductAttention):
             context = super().forward(q[:, None], k[:, None], v[:, None], mask, attn_mask_type, attention_bias)
             outputs.append(context[:, 0])  # [n, 1, heads * dim] -> [n, heads * dim]
         return torch.cat(outputs)
+
+    def _batched(self, query, key, value, lengths, causal, attn_mask_type, attention_bias) -> torch.Tensor:
+        """Every segment in one call: ``[t, heads, dim]`` -> ``[longest, n_seq, heads, dim]``
+        (zero padding), a mask hiding future and padding keys, then the ``t`` real rows
+        back end to end (``[t, heads * dim]``). Gathers by index, so no host sync."""
+        n_seq, longest, device = len(lengths), causal.shape[0], query.device
+        length_t = torch.tensor(lengths, device=device)
+        segment = torch.repeat_interleave(torch.arange(n_seq, device=device), length_t)  # [t]
+        starts = torch.cumsum(length_t, 0) - length_t
+        position = torch.arange(query.shape[0], device=device) - starts[segment]  # [t]
+        slot = position * n_seq + segment  # row of [longest * n_seq] (megatron's [s, b] order)
+
+        def pad(t: torch.Tensor) -> torch.Tensor:
+            out = t.new_zeros(longest * n_seq, *t.shape[1:]).index_copy(0, slot, t)
+            return out.view(longest, n_seq, *t.shape[1:])
+
+        padding_key = torch.arange(longest, device=device)[None, :] >= length_t[:, None]  # [n_seq, longest]
+        mask = causal[None, None] | padding_key[:, None, None, :]  # [n_seq, 1, longest, longest], True = hidden
+        context = super().forward(pad(query), pad(key), pad(value), mask, attn_mask_type, attention_bias)
+        return context.reshape(longest * n_seq, -1).index_select(0, slot)

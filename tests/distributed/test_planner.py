@@ -5,8 +5,15 @@ Each case builds an actor (fp32, local spec, Qwen2-shaped: hidden 1024, 4 layers
 runs one train step in a fresh process (``benchmarks/actor_memory.py --case``), and
 compares the peak resident memory of the rank that needs most (above what the process
 held once megatron's process groups existed) with the planner's training peak for the
-same settings: within 15%. The variations cover the loss path (fused lm-head vs
-logits), TP=2 with full recompute, and PP=2 with selective recompute.
+same settings. The variations cover the loss path (fused lm-head vs logits), TP=2 with
+full recompute, and PP=2 with selective recompute.
+
+The step runs with glibc's mmap threshold fixed (``MALLOC_MMAP_THRESHOLD_``): every
+tensor of 128 KiB or more is its own mapping, returned when freed, so the peak is the
+live bytes, the same on every run. (With glibc's default, freed blocks it keeps moved
+the same case's peak by 11% between runs, 1,511-1,682 MiB, and the old two-sided 15%
+bound failed in CI.) The plan must cover the live peak and exceed it by at most 25%:
+what a GPU's caching allocator keeps on top of live tensors is of that order.
 """
 
 from __future__ import annotations
@@ -40,7 +47,8 @@ def _bench():
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_planner_total_is_within_15_percent_of_the_measured_peak(name):
+def test_planner_covers_the_measured_peak_and_exceeds_it_by_at_most_25_percent(name, monkeypatch):
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(128 * 1024))  # inherited by the case's process
     bench = _bench()
     case = {**bench.DEFAULT_CASE, **BASE, **CASES[name]}
     measured = bench.launch(case)["train_step_peak_bytes"]
@@ -51,4 +59,4 @@ def test_planner_total_is_within_15_percent_of_the_measured_peak(name):
     )  # fmt: skip
     print(f"{name}: planned {plan.training_bytes / 2**20:.0f} MiB, measured {measured / 2**20:.0f} MiB, "
           f"ratio {plan.training_bytes / measured:.3f}; {plan.components}")  # fmt: skip
-    assert abs(plan.training_bytes / measured - 1.0) <= 0.15
+    assert 1.0 <= plan.training_bytes / measured <= 1.25
