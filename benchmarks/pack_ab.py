@@ -42,9 +42,9 @@ def main() -> None:
             for mode in ("packed", "padded"):
                 load = vs_trl.wait_idle(args.idle_load, 300.0)
                 cfg = vs_trl._ours_config(work, work / "model", args.steps, args.seed)
-                pack = "true" if mode == "packed" else "false"
-                cfg.write_text(cfg.read_text().replace("resume: never}", f"resume: never, pack_sequences: {pack}}}"))
-                subprocess.run([sys.executable, "-m", "megatron_rl", "train", str(cfg)], check=True, capture_output=True)
+                pack = f"trainer.pack_sequences={'true' if mode == 'packed' else 'false'}"
+                subprocess.run([sys.executable, "-m", "megatron_rl", "train", str(cfg), pack], check=True,
+                               capture_output=True)  # fmt: skip
                 run_dir = work / "runs" / f"ours_seed{args.seed}"
                 records = read_metrics(run_dir)[skip:]
                 timing = {

@@ -112,18 +112,13 @@ def actor_spec(config: RunConfig) -> ActorSpec:
     )
 
 
-def _engine_model_dir(config: RunConfig, run_dir: Path, hf_config: dict[str, Any], tokenizer, actors: ActorGroup) -> Path:
-    """The HF directory the engines start from (weight version 0).
-
-    A run that starts from a HF directory hands it to the engines unchanged. Otherwise
-    (random init, a Megatron checkpoint) ``RUN_DIR/engine_init`` gets the config, the
-    tokenizer, and the actor's initial weights, streamed to disk by the actor's rank 0
-    one tensor at a time (never the whole model in the driver); written under ``.tmp``
-    and renamed, so a crash leaves no half-written directory.
+def _write_engine_init(config: RunConfig, run_dir: Path, hf_config: dict[str, Any], tokenizer, actors: ActorGroup) -> Path:
+    """The HF directory the engines start from (weight version 0) when the run does not
+    start from one (random init, a Megatron checkpoint): ``RUN_DIR/engine_init`` gets the
+    config, the tokenizer, and the actor's initial weights, streamed to disk by the
+    actor's rank 0 one tensor at a time (never the whole model in the driver); written
+    under ``.tmp`` and renamed, so a crash leaves no half-written directory.
     """
-    initial = config.model.initial_weights
-    if initial is not None and is_hf_directory(initial):
-        return Path(initial)
     directory = run_dir / "engine_init"
     tmp = directory.with_name(directory.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -182,24 +177,24 @@ def build_run(config: RunConfig, *, checked: Preflight | None = None) -> Run:
             },
         )
     actor_group, engine_group, gpu_placement = _placements(config)
-    # The actor ranks build their models while the engines start and load, when the
-    # engines start from a HF directory (not from the actor's weights) and do not share
-    # GPUs with the actor (a colocated engine sizes its memory from what is free then).
+    # A run that starts from a HF directory hands it to the engines unchanged; otherwise
+    # the engines start from the actor's initial weights (_write_engine_init). In the
+    # first case the actor ranks build their models while the engines start and load,
+    # unless they share GPUs (a colocated engine sizes its memory from what is free then).
     initial = config.model.initial_weights
-    overlap = initial is not None and is_hf_directory(initial) and not (
-        gpu_placement is not None and config.rollout.placement == "colocated"
-    )
+    engine_dir = Path(initial) if initial is not None and is_hf_directory(initial) else None
+    overlap = engine_dir is not None and not (gpu_placement is not None and config.rollout.placement == "colocated")
     actors = ActorGroup(actor_spec(config), actor_group, wait=not overlap)
 
     def start_pool(model_dir: Path) -> RolloutPool:
         return RolloutPool(config.rollout, str(model_dir), placement=engine_group, weight_backend=backend,
                            weight_format=config.rollout.weight_dtype)  # fmt: skip
 
-    pool = start_pool(Path(initial)) if overlap else None
+    pool = start_pool(engine_dir) if overlap else None
     if initial is not None:
         actors.load_initial_weights(initial)
     if pool is None:
-        pool = start_pool(_engine_model_dir(config, run_dir, hf_config, tokenizer, actors))
+        pool = start_pool(engine_dir or _write_engine_init(config, run_dir, hf_config, tokenizer, actors))
     weight_sync = WeightSync(actors, pool, config.rollout, transport=transport, backend=backend)
     write_placement(
         run_dir / "placement.json",

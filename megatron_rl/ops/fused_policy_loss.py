@@ -414,7 +414,7 @@ def _grad_chunks(
     if kernel == "triton":
         from megatron_rl.ops import triton_kernels
 
-        for sl in chunk_slices(num_tokens, options.chunk_tokens or max(num_tokens, 1)):
+        for sl in chunk_slices(num_tokens, chunk_rows(num_tokens, vocab_local, options.chunk_tokens, kernel=kernel)):
             x = chunk_logits(sl)[:, : shard.num_valid]
             g = x if out is None else out[sl]
             triton_kernels.row_grad(

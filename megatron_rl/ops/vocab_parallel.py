@@ -131,13 +131,19 @@ def tp_rank_and_size(tp_group: dist.ProcessGroup | None) -> tuple[int, int]:
     return dist.get_rank(tp_group), dist.get_world_size(tp_group)
 
 
-def chunk_rows(num_tokens: int, vocab_local: int, chunk_tokens: int | None, device: torch.device | str = "cpu") -> int:
-    """Tokens per chunk: ``chunk_tokens``, or as many as fit the device's
-    :data:`CHUNK_BYTES` budget in float32."""
+def chunk_rows(
+    num_tokens: int, vocab_local: int, chunk_tokens: int | None, device: torch.device | str = "cpu",
+    *, kernel: str = "torch",
+) -> int:  # fmt: skip
+    """Tokens per chunk: ``chunk_tokens``, or else for the torch kernel as many as fit the
+    device's :data:`CHUNK_BYTES` budget in float32, for the Triton kernels all tokens (they
+    keep no float32 workspace, so one launch covers the whole input)."""
     if chunk_tokens is not None:
         if chunk_tokens < 1:
             raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
         return chunk_tokens
+    if kernel == "triton":
+        return max(num_tokens, 1)
     return _rows_for(chunk_budget_bytes(device), num_tokens, vocab_local)
 
 
@@ -307,7 +313,7 @@ def softmax_stats(
         if kernel == "triton":
             from megatron_rl.ops import triton_kernels
 
-            for sl in chunk_slices(num_tokens, chunk_tokens or max(num_tokens, 1)):
+            for sl in chunk_slices(num_tokens, chunk_rows(num_tokens, vocab_local, chunk_tokens, kernel=kernel)):
                 triton_kernels.row_stats(chunk_logits(sl)[:, : shard.num_valid], tgt[sl], inv_t, local[sl])
         else:
             # A given workspace fixes the chunk size (its buffers are that many rows).
