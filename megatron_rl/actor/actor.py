@@ -129,6 +129,7 @@ class MegatronActor(PolicyModel):
         token_grad_norms: bool = False,
         algorithm: AlgorithmConfig | None = None,
         on_policy: bool = False,
+        tis_cap: float | None = None,
     ) -> dict[str, float]:
         """One optimizer step on the mini-batch ``batch``; returns metrics (same on every rank).
 
@@ -143,6 +144,10 @@ class MegatronActor(PolicyModel):
         forward's own, detached (ratio exactly 1); :attr:`last_train_logp` afterwards holds
         them, ``[N, L]`` input-aligned on every rank (response tokens; 0 elsewhere). Refused
         when a method reads the old log-probs before the forward (``old_logp_before_forward``).
+        ``tis_cap`` (on-policy only, with ``batch.engine_logp``): the truncated importance
+        weights of those log-probs against the engines' multiply the advantages inside the
+        loss, as ``update_policy`` multiplies them before the update when the old log-probs
+        are recomputed; refused with a pre-pass, which reads the advantages first.
 
         Applies the methods' advantage reweighting to ``batch.advantages`` (from
         ``old_logp``), runs the pre-pass when a method needs one, then megatron's
@@ -155,6 +160,7 @@ class MegatronActor(PolicyModel):
         the loss or grad norm was not finite), ``actor/skipped_steps_total``,
         ``actor/optimizer_steps_total``, ``actor/num_microbatches`` (summed over DP),
         ``actor/padding_fraction`` (padding tokens / tokens run, over micro-batches and DP),
+        ``actor/packed_fraction`` (packed micro-batches / all, over DP; ``pack_sequences: auto``),
         ``timing_s/train_forward_backward``, ``timing_s/train_optimizer``, and the loss
         library's ``loss/*`` metrics as global means (sums of ``[sum, count]`` pairs over
         micro-batches and DP, then divided; ``loss/active_tokens`` is a global count).
@@ -167,6 +173,8 @@ class MegatronActor(PolicyModel):
         local = batch.select(self._local_rows(batch.num_sequences))
         if on_policy:
             local = replace(local, old_logp=None)
+        if tis_cap is not None and not (on_policy and local.engine_logp is not None and not needs_prepass(algorithm)):
+            raise ValueError("train_step(tis_cap=...) needs on_policy, batch.engine_logp and a loss without a pre-pass")
         advantages, reweight_metrics = prepare_advantages(local.advantages, local.old_logp, local.loss_mask, algorithm)
         local = replace(local, advantages=advantages)
         microbatches = self._microbatches(local)
@@ -184,6 +192,8 @@ class MegatronActor(PolicyModel):
                 ref_logp=mb.ref_logp,
                 phase=phase,
                 prepass=prepass,
+                engine_logp=mb.engine_logp if tis_cap is not None else None,
+                tis_cap=tis_cap,
             )
             out, stats, token_norms = self.token_loss(mb, output, inputs, algorithm, options)
             if token_norms is not None:
@@ -205,7 +215,9 @@ class MegatronActor(PolicyModel):
             count = torch.tensor([float(len(microbatches)), 1.0], dtype=torch.float64)
             tokens = sum(mb.num_tokens_padded for mb in microbatches)
             padding = torch.tensor([tokens - sum(mb.num_real_tokens for mb in microbatches), tokens], dtype=torch.float64)
-            shape = {"num_microbatches": count, "actor/padding_fraction": padding}
+            packed = torch.tensor([float(sum(mb.packed for mb in microbatches)), float(len(microbatches))],
+                                  dtype=torch.float64)  # fmt: skip
+            shape = {"num_microbatches": count, "actor/padding_fraction": padding, "actor/packed_fraction": packed}
             reports = reports + [shape] + ([reweight_metrics] if reweight_metrics else [])
         merged = reduce_reports(self.groups, reports)
         loss_pair = merged.pop("loss")

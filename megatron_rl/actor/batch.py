@@ -38,7 +38,23 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
-__all__ = ["ActorBatch", "MicroBatch", "make_microbatches", "plan_microbatches", "plan_packs"]
+__all__ = [
+    "AUTO_PACK_PADDING_FRACTION",
+    "ActorBatch",
+    "MicroBatch",
+    "make_microbatches",
+    "padding_fraction",
+    "plan_microbatches",
+    "plan_packs",
+    "resolve_packing",
+]
+
+AUTO_PACK_PADDING_FRACTION = 0.2
+"""``trainer.pack_sequences: auto`` without Transformer Engine packs when the padded plan's
+padding is more than this share of its tokens. Measured on the local spec (CPU, 2 cores):
+a packed forward/backward cost 1.2x the padded one with no padding to remove
+(``benchmarks/pack_ab.py``), and packing cut the update to 0.63x with 47% padding
+(``benchmarks/async_packing.py``)."""
 
 
 @dataclass(kw_only=True)
@@ -164,6 +180,8 @@ class MicroBatch:
     """``[b, s]`` shifted reference log-probs."""
     advantages: torch.Tensor | None = None
     """``[b, s]`` shifted advantages (reweighting applied by ``train_step``)."""
+    engine_logp: torch.Tensor | None = None
+    """``[b, s]`` shifted engine log-probs (an on-policy step's TIS reads them in the loss)."""
 
     @property
     def num_tokens_padded(self) -> int:
@@ -236,6 +254,26 @@ def plan_microbatches(lengths: list[int], max_tokens: int) -> list[list[int]]:
     if current:
         plan.append(current)
     return plan
+
+
+def padding_fraction(lengths: list[int], max_tokens: int, pad_to_multiple_of: int = 1) -> float:
+    """Share of padding among the tokens of the padded micro-batches
+    (:func:`plan_microbatches` of ``lengths`` rounded up to ``pad_to_multiple_of``)."""
+    padded = [-(-n // pad_to_multiple_of) * pad_to_multiple_of for n in lengths]
+    total = sum(len(rows) * max(padded[i] for i in rows) for rows in plan_microbatches(padded, max_tokens))
+    return 1.0 - sum(lengths) / total
+
+
+def resolve_packing(
+    pack_sequences: bool | str, lengths: list[int], max_tokens: int, pad_to_multiple_of: int = 1, *, use_te: bool
+) -> bool:
+    """Whether a pass over sequences of ``lengths`` runs packed (``trainer.pack_sequences``):
+    true/false as set; ``auto`` packs with Transformer Engine, else when the padded plan's
+    :func:`padding_fraction` exceeds :data:`AUTO_PACK_PADDING_FRACTION`. Deterministic, so
+    every pipeline stage and TP rank given the same rows decides alike."""
+    if pack_sequences == "auto":
+        return use_te or padding_fraction(lengths, max_tokens, pad_to_multiple_of) > AUTO_PACK_PADDING_FRACTION
+    return bool(pack_sequences)
 
 
 def plan_packs(lengths: list[int], max_tokens: int) -> list[list[int]]:
@@ -321,6 +359,7 @@ def make_microbatches(
                 old_logp=_shift_left(cut(sub.old_logp)),
                 ref_logp=_shift_left(cut(sub.ref_logp)),
                 advantages=_shift_left(cut(sub.advantages)),
+                engine_logp=_shift_left(cut(sub.engine_logp)),
                 num_real_tokens=sum(lengths[i] for i in rows),
             )
         )
@@ -357,6 +396,7 @@ def _pack(batch: ActorBatch, rows: list[int], lengths: list[int], device, multip
         old_logp=flat(sub.old_logp),
         ref_logp=flat(sub.ref_logp),
         advantages=flat(sub.advantages),
+        engine_logp=flat(sub.engine_logp),
         cu_seqlens=cu_seqlens,
         max_seqlen=max(bounds[1:]),
         num_real_tokens=total,

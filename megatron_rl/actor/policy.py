@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from megatron_rl.actor import cpu_shim
-from megatron_rl.actor.batch import ActorBatch, MicroBatch, make_microbatches
+from megatron_rl.actor.batch import ActorBatch, MicroBatch, make_microbatches, resolve_packing
 from megatron_rl.actor.collectives import device, gather_token_values
 from megatron_rl.actor.hidden import final_hidden_states, output_weight
 from megatron_rl.actor.launch import ProcessGroups, initialize_parallel
@@ -52,7 +52,7 @@ from megatron_rl.ops.vocab_parallel import resolve_kernel
 
 __all__ = ["LogProbs", "PolicyModel", "check_loss_kernel", "pad_multiple"]
 
-_TOKEN_FIELDS = ("targets", "old_logp", "advantages", "mask", "ref_logp")
+_TOKEN_FIELDS = ("targets", "old_logp", "advantages", "mask", "ref_logp", "engine_logp")
 
 
 def check_loss_kernel(kernel: str, on: torch.device, dtype: torch.dtype) -> None:
@@ -137,13 +137,10 @@ class PolicyModel:
         return torch.arange(self.groups.dp_rank, n, self.groups.dp_size)
 
     def _microbatches(self, batch: ActorBatch) -> list[MicroBatch]:
-        return make_microbatches(
-            batch,
-            self.spec.trainer.max_tokens_per_microbatch,
-            device=device(),
-            pad_to_multiple_of=self.pad_multiple,
-            pack=self.spec.trainer.pack_sequences,
-        )
+        budget = self.spec.trainer.max_tokens_per_microbatch
+        lengths = batch.lengths.tolist()
+        pack = resolve_packing(self.spec.trainer.pack_sequences, lengths, budget, self.pad_multiple, use_te=self.use_te)
+        return make_microbatches(batch, budget, device=device(), pad_to_multiple_of=self.pad_multiple, pack=pack)
 
     def _vocab_options(self, temperature: float) -> VocabParallelOptions:
         return VocabParallelOptions(

@@ -9,10 +9,11 @@ then does on each rank, collectively:
    has a KL term. With ``actor.old_logp_source: auto`` (:func:`old_logp_from_train_forward`)
    the first optimizer step's mini-batch takes them from its own train forward, whose
    weights are the old policy's, and only the other rows get a forward-only pass here;
-2. the engine/actor log-prob mismatch metrics and, with ``rollout.tis_cap``, the
-   truncated importance weights (``algo.mismatch``), multiplied into the advantages once
-   (after the first optimizer step when its old log-probs come from its forward: the
-   metrics only; TIS needs them before and turns the fast path off);
+2. with ``rollout.tis_cap``, the truncated importance weights (``algo.mismatch``),
+   multiplied into the advantages once: before the update for the rows whose old
+   log-probs are known; inside the loss for the first optimizer step's rows when they
+   come from its forward (and into their advantages after it, for later passes); the
+   engine/actor log-prob mismatch metrics once the old log-probs of every row are known;
 3. the update: for each phase of ``algo.update_phases`` (one, or Lopti's low then high
    pass), ``trainer.num_epochs_per_step`` epochs, each split into
    ``trainer.num_minibatches_per_step`` mini-batches in a seeded order
@@ -41,7 +42,13 @@ from megatron_rl.actor.actor import MegatronActor
 from megatron_rl.actor.batch import ActorBatch
 from megatron_rl.actor.reference import ReferencePolicy
 from megatron_rl.actor.spec import ActorSpec
-from megatron_rl.algo import logprob_mismatch, old_logp_before_forward, update_phases
+from megatron_rl.algo import (
+    logprob_mismatch,
+    needs_prepass,
+    old_logp_before_forward,
+    truncated_is_weights,
+    update_phases,
+)
 from megatron_rl.observability.diagnostics import token_probability_diagnostics
 from megatron_rl.seeding import minibatch_seed
 
@@ -72,12 +79,23 @@ def minibatch_rows(num_rows: int, num_minibatches: int, *, seed: int) -> list[to
 def old_logp_from_train_forward(spec: ActorSpec) -> bool:
     """Whether the first optimizer step of an RL step takes its mini-batch's old log-probs
     from its own train forward (``actor.old_logp_source: auto``, and nothing reads them
-    before that forward: no Advantage Reweighting, no ``rollout.tis_cap``)."""
+    before that forward: no Advantage Reweighting, and with ``rollout.tis_cap`` no
+    pre-pass, which reads the TIS-weighted advantages; the loss applies that step's TIS
+    weights itself)."""
     return (
         spec.actor.old_logp_source == "auto"
-        and spec.rollout.tis_cap is None
         and not old_logp_before_forward(spec.algorithm)
+        and not (spec.rollout.tis_cap is not None and needs_prepass(spec.algorithm))
     )
+
+
+def _apply_tis(batch: ActorBatch, rows: list[int], tis_cap: float) -> None:
+    """Multiply the advantages of ``rows`` (in place) by their truncated importance weights,
+    from their old log-probs against the engines' (``algo.truncated_is_weights``)."""
+    index = torch.tensor(rows, dtype=torch.long)
+    batch.advantages[index] *= truncated_is_weights(
+        batch.old_logp[index], batch.engine_logp[index], batch.loss_mask[index], tis_cap
+    ).to(batch.advantages.dtype)
 
 
 def _schedule(spec: ActorSpec, num_rows: int, step: int) -> list[tuple[str | None, torch.Tensor]]:
@@ -112,26 +130,24 @@ def update_policy(
     metrics: dict[str, float] = {}
     schedule = _schedule(spec, batch.num_sequences, step)
     from_forward = old_logp_from_train_forward(spec)
+    tis_cap = spec.rollout.tis_cap if batch.engine_logp is not None else None
     with timed(timings, "logprobs"):
         if from_forward:  # only the rows the first optimizer step does not train on
-            rest = sorted(set(range(batch.num_sequences)) - set(schedule[0][1].tolist()))
+            known = sorted(set(range(batch.num_sequences)) - set(schedule[0][1].tolist()))
             old_logp = torch.zeros(batch.input_ids.shape, dtype=torch.float32)
-            if rest:
-                old_logp[rest] = actor.compute_logprobs(batch.select(rest)).logp
+            if known:
+                old_logp[known] = actor.compute_logprobs(batch.select(known)).logp
         else:
+            known = list(range(batch.num_sequences))
             old_logp = actor.compute_logprobs(batch).logp
         ref_logp = None
         if spec.with_reference:
             if reference is None:
                 raise RuntimeError("the loss has a KL term but this actor rank holds no reference policy")
             ref_logp = reference.compute_logprobs(batch).logp
-        advantages = batch.advantages
-        if batch.engine_logp is not None and not from_forward:
-            mismatch = logprob_mismatch(batch.engine_logp, old_logp, batch.loss_mask, tis_cap=spec.rollout.tis_cap)
-            metrics.update(mismatch.metrics)
-            if mismatch.tis_weights is not None:
-                advantages = advantages * mismatch.tis_weights
-        batch = replace(batch, old_logp=old_logp, ref_logp=ref_logp, advantages=advantages)
+        batch = replace(batch, old_logp=old_logp, ref_logp=ref_logp, advantages=batch.advantages.clone())
+        if tis_cap is not None and known:
+            _apply_tis(batch, known, tis_cap)
 
     sums: dict[str, float] = defaultdict(float)
     updates = 0
@@ -140,16 +156,21 @@ def update_policy(
         for k, (phase, rows) in enumerate(schedule):
             want_norms = token_stats and k < spec.trainer.num_minibatches_per_step  # first pass, first epoch
             on_policy = from_forward and k == 0
-            m = actor.train_step(batch.select(rows), phase=phase, token_grad_norms=want_norms, on_policy=on_policy)
+            m = actor.train_step(
+                batch.select(rows), phase=phase, token_grad_norms=want_norms, on_policy=on_policy,
+                tis_cap=tis_cap if on_policy else None,
+            )  # fmt: skip
             if want_norms:
                 grad_norms[rows] = actor.last_token_grad_norms
             if on_policy:
                 batch.old_logp[rows] = actor.last_train_logp
+                if tis_cap is not None:  # the loss applied them; later passes over these rows need them too
+                    _apply_tis(batch, rows.tolist(), tis_cap)
             for key, v in m.items():
                 sums[key] += v
             updates += 1
-    if from_forward and batch.engine_logp is not None:  # metrics only: TIS turns this path off
-        metrics.update(logprob_mismatch(batch.engine_logp, batch.old_logp, batch.loss_mask).metrics)
+    if batch.engine_logp is not None:
+        metrics.update(logprob_mismatch(batch.engine_logp, batch.old_logp, batch.loss_mask, tis_cap=tis_cap).metrics)
     skipped = sums.get("actor/step_skipped", 0.0)
     metrics.update({k: v / updates for k, v in sums.items()})
     metrics["actor/step_skipped"] = skipped

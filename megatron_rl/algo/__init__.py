@@ -32,7 +32,7 @@ from megatron_rl.algo.methods import (
     prepass_statistics,
     update_phases,
 )
-from megatron_rl.algo.mismatch import MismatchOutput, logprob_mismatch
+from megatron_rl.algo.mismatch import MismatchOutput, logprob_mismatch, truncated_is_weights
 from megatron_rl.algo.policy_loss import (
     LossOutput,
     compute_policy_loss,
@@ -85,5 +85,6 @@ __all__ = [
     "stapo_entropy_threshold",
     "stapo_spurious_mask",
     "tr_grpo_weight",
+    "truncated_is_weights",
     "update_phases",
 ]

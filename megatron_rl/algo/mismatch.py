@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["MismatchOutput", "logprob_mismatch"]
+__all__ = ["MismatchOutput", "logprob_mismatch", "truncated_is_weights"]
 
 # exp() of a log-ratio beyond this overflows float32 and carries no information once
 # clipped at any sensible cap.
@@ -97,8 +97,23 @@ def logprob_mismatch(
     }
     weights = None
     if tis_cap is not None:
-        ratio = diff.exp()
-        weights = torch.where(valid, ratio.clamp(max=tis_cap), torch.ones_like(ratio)).to(torch.float32)
+        weights = truncated_is_weights(actor_logp, engine_logp, mask, tis_cap)
         metrics["rollout/tis/weight_mean"] = float(weights[valid].double().mean()) if count else 0.0
         metrics["rollout/tis/clip_frac"] = float((ratio_valid > tis_cap).double().mean()) if count else 0.0
     return MismatchOutput(metrics=metrics, tis_weights=weights)
+
+
+@torch.no_grad()
+def truncated_is_weights(
+    actor_logp: torch.Tensor, engine_logp: torch.Tensor, mask: torch.Tensor, tis_cap: float
+) -> torch.Tensor:
+    """``[*S]`` float32 TIS weights ``min(exp(actor_logp - engine_logp), tis_cap)`` on the
+    valid tokens of ``mask``, 1 elsewhere (no gradient).
+
+    The one formula of the weights: :func:`logprob_mismatch` applies it to recomputed old
+    log-probs before the update, and the fused loss to the train forward's own (detached)
+    log-probs when an on-policy optimizer step takes its old log-probs from that forward.
+    """
+    diff = (actor_logp.double() - engine_logp.double()).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+    ratio = diff.exp()
+    return torch.where(mask.bool(), ratio.clamp(max=tis_cap), torch.ones_like(ratio)).to(torch.float32)

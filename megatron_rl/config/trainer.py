@@ -87,11 +87,16 @@ class TrainerConfig(OptimConfig):
     accumulated over its micro-batches. Packed: real tokens (plus the alignment padding
     of the pack's end); padded: rows x the longest row."""
 
-    pack_sequences: bool = True
+    pack_sequences: bool | Literal["auto"] = "auto"
     """Lay whole sequences end to end in each micro-batch (no padding; attention within a
     sequence, RoPE positions restarting at each) for the actor's and the reference
     policy's forward/backward and log-prob passes; false pads every row to the
-    micro-batch's longest (results agree within float rounding)."""
+    micro-batch's longest (results agree within float rounding). ``auto`` packs with
+    Transformer Engine (its variable-length attention makes packing free), and otherwise
+    when padding would be more than ``actor.batch.AUTO_PACK_PADDING_FRACTION`` (0.2) of
+    the padded micro-batches' tokens, decided per pass from its sequence lengths: the
+    local spec's packed attention costs more per token, which only removing that much
+    padding repays (``docs/benchmarks.md``)."""
 
     seed: int = 1234
     """Seed of model init, data order and sampling, in [0, 2**63 - 1]."""
@@ -190,7 +195,9 @@ class ActorConfig:
     forward (detached; the ratio is exactly 1) and only the other mini-batches' rows are
     recomputed first; with one mini-batch the separate pass disappears. ``auto`` falls
     back to ``recompute`` when the old log-probs are needed before that forward: Advantage
-    Reweighting (``algorithm.ar``) or truncated importance sampling (``rollout.tis_cap``)."""
+    Reweighting (``algorithm.ar``), or a pre-pass (STAPO) together with truncated importance
+    sampling (``rollout.tis_cap``; without a pre-pass the loss applies that step's TIS
+    weights from its own forward)."""
 
     loss_impl: Literal["fused_linear", "logits"] = "fused_linear"
     """How the last pipeline stage feeds the fused loss: ``fused_linear`` takes the final

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.algo.config import AlgorithmConfig
+from megatron_rl.algo.mismatch import truncated_is_weights
 from megatron_rl.algo.policy_loss import LossOutput, compute_policy_loss
 from megatron_rl.ops.vocab_parallel import (
     KERNELS,
@@ -107,6 +108,16 @@ class LossInputs:
     prepass: Mapping[str, torch.Tensor] | None = None
     """Mini-batch statistics of the pre-pass (``algo.prepass_statistics``), if any."""
     seq_index: torch.Tensor | None = None
+    engine_logp: torch.Tensor | None = None
+    """With ``tis_cap`` and ``old_logp is None``: the engines' log-probs, so the truncated
+    importance weights (``algo.truncated_is_weights``) come from this forward's own
+    detached log-probs, the old policy's, and multiply the advantages inside the loss."""
+    tis_cap: float | None = None
+    """The weights' cap (``rollout.tis_cap``); used only with ``engine_logp``."""
+
+    def __post_init__(self) -> None:
+        if self.engine_logp is not None and (self.old_logp is not None or self.tis_cap is None):
+            raise ValueError("LossInputs.engine_logp is for an on-policy step's TIS: old_logp None and tis_cap set")
 
 
 # ----------------------------------------------------------------------------- forward-only
@@ -209,11 +220,17 @@ def _loss_on_tokens(
     entropy = stats.entropy.reshape(shape).detach()
     entropy_needs_grad = need_grad and config.entropy_coef > 0.0
     entropy.requires_grad_(entropy_needs_grad)
+    old_logp = logp.detach() if inputs.old_logp is None else inputs.old_logp.to(logp.dtype)
+    advantages = inputs.advantages.to(logp.dtype)
+    if inputs.engine_logp is not None:  # the old log-probs exist only now: TIS applies here
+        advantages = advantages * truncated_is_weights(old_logp, inputs.engine_logp, inputs.mask, inputs.tis_cap).to(
+            logp.dtype
+        )
     with torch.enable_grad():
         out = compute_policy_loss(
             logp,
-            logp.detach() if inputs.old_logp is None else inputs.old_logp.to(logp.dtype),
-            inputs.advantages.to(logp.dtype),
+            old_logp,
+            advantages,
             inputs.mask,
             config,
             ref_logp=None if inputs.ref_logp is None else inputs.ref_logp.to(logp.dtype),

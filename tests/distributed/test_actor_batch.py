@@ -8,7 +8,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_rl.actor.batch import ActorBatch, make_microbatches, plan_microbatches, plan_packs
+from megatron_rl.actor.batch import (
+    AUTO_PACK_PADDING_FRACTION,
+    ActorBatch,
+    make_microbatches,
+    padding_fraction,
+    plan_microbatches,
+    plan_packs,
+    resolve_packing,
+)
 from megatron_rl.actor.weights import concat_tp_shards, take_tp_shard
 from megatron_rl.config import ModelOptions
 
@@ -96,6 +104,27 @@ def test_packs_pad_their_end_as_a_segment_of_its_own():
     assert mb.cu_seqlens.tolist() == [0, 5, 7, 8] and mb.padding_fraction == 1 / 8
     assert mb.position_ids()[0].tolist() == [0, 1, 2, 3, 4, 0, 1, 0]
     assert not mb.target_mask[0, 6:].any() and not mb.loss_mask[0, 6:].any()
+
+
+def test_padding_fraction_and_the_auto_packing_decision():
+    # Equal lengths: no padding, whatever the budget; auto pads (the local spec's packed
+    # attention costs more per token) unless Transformer Engine runs.
+    assert padding_fraction([41] * 32, 4096) == 0.0
+    assert not resolve_packing("auto", [41] * 32, 4096, use_te=False)
+    assert resolve_packing("auto", [41] * 32, 4096, use_te=True)
+    # The padded plan groups similar lengths: [8, 7] then [2, 1] with a budget of 16 tokens.
+    assert padding_fraction([8, 7, 2, 1], 16) == pytest.approx(1 - 18 / (2 * 8 + 2 * 2))
+    # Rounding to a multiple counts as padding too: 3 tokens in 4.
+    assert padding_fraction([3], 100, pad_to_multiple_of=4) == pytest.approx(0.25)
+    ragged = [60, 5, 33, 7, 250, 12]  # one micro-batch padded to 250: 75% padding
+    assert padding_fraction(ragged, 4096) == pytest.approx(1 - sum(ragged) / (6 * 250))
+    assert resolve_packing("auto", ragged, 4096, use_te=False)
+    # Just over and just under the threshold (one micro-batch of two rows).
+    over = AUTO_PACK_PADDING_FRACTION + 0.01
+    assert resolve_packing("auto", [100, round(100 * (1 - 2 * over))], 4096, use_te=False)
+    assert not resolve_packing("auto", [100, 100 - 38], 4096, use_te=False)  # 19% padding
+    # Explicit settings win over the lengths.
+    assert resolve_packing(True, [41] * 4, 4096, use_te=False) and not resolve_packing(False, ragged, 4096, use_te=True)
 
 
 def test_batch_validation():

@@ -8,7 +8,10 @@ group) once with ``auto`` and once with ``recompute`` from the same initial weig
 check the two give the same updated weights, losses, gradient norms and engine-mismatch
 metrics, for a plain one-mini-batch GRPO step (PP=2: the log-probs come back from the
 last stage) and for Lopti + STAPO + TR-GRPO + KL + entropy with 2 mini-batches x 2
-epochs (DP=2: the rows are split over ranks).
+epochs (DP=2: the rows are split over ranks), each also with truncated importance
+sampling (``rollout.tis_cap``: the fast path's first step applies the weights inside the
+loss, from its own forward's log-probs; STAPO's pre-pass is left out there, since it
+turns the fast path off).
 """
 
 from dataclasses import replace
@@ -68,6 +71,23 @@ CASES = {
         TrainerConfig(seed=7, lr=1e-2),
         AlgorithmConfig(),
         1.0,
+        None,
+    ),
+    "grpo_tis_pp2_one_minibatch": (
+        ParallelConfig(num_actor_ranks=2, pipeline_model_parallel_size=2),
+        TrainerConfig(seed=7, lr=1e-2),
+        AlgorithmConfig(),
+        1.0,
+        2.0,
+    ),
+    "methods_tis_dp2_2mb_2ep": (
+        ParallelConfig(num_actor_ranks=2),
+        TrainerConfig(seed=7, lr=1e-2, num_minibatches_per_step=2, num_epochs_per_step=2),
+        AlgorithmConfig(
+            kl_coef=0.01, entropy_coef=0.01, lopti=LoptiConfig(enabled=True, eta=0.05), tr_grpo=TRGRPOConfig(enabled=True)
+        ),
+        0.5,
+        1.5,
     ),
     "methods_dp2_2mb_2ep": (
         ParallelConfig(num_actor_ranks=2),
@@ -79,20 +99,25 @@ CASES = {
             tr_grpo=TRGRPOConfig(enabled=True),
         ),  # fmt: skip
         0.5,
+        None,
     ),
 }
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_auto_equals_recompute(ray_session, case):
-    parallel, trainer, algorithm, frac = CASES[case]
+    parallel, trainer, algorithm, frac, tis_cap = CASES[case]
     spec = ActorSpec(architecture=dict(ACTOR_HF_CONFIG), parallel=parallel, trainer=trainer, algorithm=algorithm,
-                     rollout=RolloutConfig(temperature=0.7))  # fmt: skip
+                     rollout=RolloutConfig(temperature=0.7, tis_cap=tis_cap))  # fmt: skip
     fast, fast_weights = _run(spec, "auto")
     slow, slow_weights = _run(spec, "recompute")
     for f, s in zip(fast, slow):
         assert f["actor/old_logp_from_forward_frac"] == frac and s["actor/old_logp_from_forward_frac"] == 0.0
-        for key in ("loss/total", "actor/grad_norm", "rollout/logp_mismatch/mean_abs", "rollout/logp_mismatch/max_abs"):
+        keys = ["loss/total", "actor/grad_norm", "rollout/logp_mismatch/mean_abs", "rollout/logp_mismatch/max_abs"]
+        if tis_cap is not None:
+            keys += ["rollout/tis/weight_mean", "rollout/tis/clip_frac"]
+            assert 0 < s["rollout/tis/clip_frac"] < 1 and s["rollout/tis/weight_mean"] != 1.0  # the weights matter
+        for key in keys:
             assert f[key] == pytest.approx(s[key], rel=TOL, abs=TOL), key
     assert slow[0]["actor/grad_norm"] > 0 and slow[1]["actor/grad_norm"] != slow[0]["actor/grad_norm"]  # it trained
     assert fast_weights.keys() == slow_weights.keys()
@@ -104,7 +129,12 @@ def test_auto_falls_back_when_old_logp_is_needed_before_the_forward():
     spec = ActorSpec(architecture=dict(ACTOR_HF_CONFIG))
     assert old_logp_from_train_forward(spec)
     assert not old_logp_from_train_forward(replace(spec, algorithm=AlgorithmConfig(ar=ARConfig(alpha=0.3))))
-    assert not old_logp_from_train_forward(replace(spec, rollout=RolloutConfig(tis_cap=2.0)))
+    # TIS: the loss applies the first step's weights itself, unless a pre-pass (STAPO's)
+    # would read the weighted advantages before the forward.
+    assert old_logp_from_train_forward(replace(spec, rollout=RolloutConfig(tis_cap=2.0)))
+    stapo = replace(spec, algorithm=AlgorithmConfig(stapo=STAPOConfig(enabled=True)))
+    assert old_logp_from_train_forward(stapo)
+    assert not old_logp_from_train_forward(replace(stapo, rollout=RolloutConfig(tis_cap=2.0)))
     assert not old_logp_from_train_forward(replace(spec, actor=ActorConfig(old_logp_source="recompute")))
     # Lopti reads the old log-probs inside the loss (its split), STAPO in its pre-pass: both fine.
     lopti = AlgorithmConfig(lopti=LoptiConfig(enabled=True), stapo=STAPOConfig(enabled=True))

@@ -11,7 +11,8 @@ mixed-length batch through both (small token budget: several micro-batches):
 * one optimizer step each with GRPO + KL + entropy, the seq-mean aggregations, AR,
   Lopti (both passes), TR-GRPO and STAPO: the same loss, grad norm and gradients
   (every element of megatron's ``main_grad``) within 1e-5, and the same weights after;
-* ``actor/padding_fraction`` is lower packed than padded.
+* ``actor/padding_fraction`` is lower packed than padded, and ``actor/packed_fraction``
+  says which ran packed.
 """
 
 from __future__ import annotations
@@ -60,5 +61,6 @@ def test_packed_and_padded_steps_agree(reports, layout):
         assert step["max_grad_diff"] <= TOL * max(1.0, step["grad_scale"]), name
         packed_frac, padded_frac = step["padding_fraction"]
         assert packed_frac < padded_frac, name
+        assert step["packed_fraction"] == [1.0, 0.0], name
     assert entry["logp_moved_by_steps"] > 1e-3  # the steps trained
     assert entry["logp_after_steps_packed_vs_padded"] <= 1e-4

@@ -158,6 +158,7 @@ def run(spec: dict) -> dict:
                 "max_grad_diff": max_grad_diff(packed, padded),
                 "grad_scale": grad_scale(padded),
                 "padding_fraction": [mp["actor/padding_fraction"], md["actor/padding_fraction"]],
+                "packed_fraction": [mp["actor/packed_fraction"], md["actor/packed_fraction"]],
                 "num_microbatches": [mp["actor/num_microbatches"], md["actor/num_microbatches"]],
             }
         entry["steps"] = steps
