@@ -130,6 +130,10 @@ def _is_cuda_device(device: Any) -> bool:
     return isinstance(device, torch.device) and device.type == "cuda"
 
 
+_REWRITTEN = frozenset({"type", "cuda", "to"})
+"""Tensor methods :class:`CudaToCpuMode` rewrites whatever their keyword arguments."""
+
+
 class CudaToCpuMode(TorchFunctionMode):
     """Redirect CUDA placements to the CPU for the torch calls made inside the mode.
 
@@ -140,8 +144,11 @@ class CudaToCpuMode(TorchFunctionMode):
     """
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = dict(kwargs or {})
         name = getattr(func, "__name__", "")
+        # The common case first (every op of a forward runs through here): nothing to rewrite.
+        if name not in _REWRITTEN and not (kwargs and "device" in kwargs):
+            return func(*args, **(kwargs or {}))
+        kwargs = dict(kwargs or {})
         if name == "type" and len(args) == 1 and not kwargs:
             type_name = func(*args)
             if type_name.startswith("torch.") and not type_name.startswith("torch.cuda."):

@@ -1,6 +1,8 @@
 """PackedDotProductAttention: both ways of attending over a pack (one padded call, or
 segment by segment) against float64 causal attention of each sequence alone, forward and
-gradients, with grouped-query heads; and which way a pack takes."""
+gradients, with grouped-query heads; unpacked input (its SDPA path) against megatron's
+own ``DotProductAttention`` on the same module, with no mask, the causal mask and a
+padding mask; and which way a pack takes."""
 
 import itertools
 
@@ -63,6 +65,31 @@ def _check(rank, world, results):
             want = _reference(q, k, v, lengths)
             want_grads = torch.autograd.grad(want, (q, k, v), upstream)
             results.append((case, way, out.detach(), want.detach(), grads, want_grads))
+        # Unpacked [s, b, heads, dim]: the SDPA path against megatron's computation.
+        from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+        seq, batch = 11, 3
+        g = torch.Generator().manual_seed(7)
+        hidden = torch.rand(batch, 1, 1, seq, generator=g) < 0.3
+        hidden[..., 0] = False  # every query sees at least one key
+        masks = {"none": None, "causal": torch.ones(seq, seq, dtype=torch.bool).triu(1)[None, None], "padding": hidden}
+        for name, mask in masks.items():
+            q = torch.randn(seq, batch, HEADS, DIM, generator=g, dtype=torch.float64).requires_grad_()
+            k = torch.randn(seq, batch, GROUPS, DIM, generator=g, dtype=torch.float64).requires_grad_()
+            v = torch.randn(seq, batch, GROUPS, DIM, generator=g, dtype=torch.float64).requires_grad_()
+            assert core.takes_sdpa(None)
+            out = core(q, k, v, mask)
+            # megatron builds its default causal mask on the CUDA device: give it explicitly.
+            want = DotProductAttention.forward(core, q, k, v, masks["causal"] if mask is None else mask)
+            upstream = torch.randn(out.shape, generator=g, dtype=torch.float64)
+            grads = torch.autograd.grad(out, (q, k, v), upstream)
+            want_grads = torch.autograd.grad(want, (q, k, v), upstream)
+            results.append((f"unpacked_{name}", "sdpa", out.detach(), want.detach(), grads, want_grads))
+        # Attention dropout in training is megatron's (its RNG tracker): no SDPA then.
+        dropout = attention.PackedDotProductAttention(
+            TransformerConfig(**{**config.__dict__, "attention_dropout": 0.1}), 1, AttnMaskType.causal, "self"
+        )
+        results.append(("dropout", "takes_sdpa", dropout.train().takes_sdpa(None), dropout.eval().takes_sdpa(None)))
     finally:
         parallel_state.destroy_model_parallel()
 
@@ -70,6 +97,18 @@ def _check(rank, world, results):
 @pytest.fixture(scope="module")
 def outcomes():
     return {(case, way): rest for case, way, *rest in run_on_ranks(_check, 1)}
+
+
+@pytest.mark.parametrize("mask", ["none", "causal", "padding"])
+def test_unpacked_sdpa_equals_megatrons_attention(outcomes, mask):
+    out, want, grads, want_grads = outcomes[f"unpacked_{mask}", "sdpa"]
+    torch.testing.assert_close(out, want, atol=1e-10, rtol=1e-10)
+    for got, ref, name in zip(grads, want_grads, "qkv"):
+        torch.testing.assert_close(got, ref, atol=1e-10, rtol=1e-10, msg=lambda m, name=name: f"d{name}: {m}")
+
+
+def test_attention_dropout_in_training_stays_megatrons(outcomes):
+    assert outcomes["dropout", "takes_sdpa"] == [False, True]
 
 
 @pytest.mark.parametrize("case", CASES)
