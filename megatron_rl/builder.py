@@ -147,6 +147,10 @@ def _placements(config: RunConfig) -> tuple[GroupPlacement, GroupPlacement, RunP
     return placed.actor, placed.engines, placed
 
 
+_LEAN_RAY = {"enable_worker_prestart": False, "prestart_worker_first_driver": False}
+"""Ray system settings of a cluster the driver starts itself (``ray.init`` without an address)."""
+
+
 def build_run(config: RunConfig, *, checked: Preflight | None = None) -> Run:
     """Every component of the run, in the order the module docstring gives (``checked``: the
     pre-flight's result, when the caller ran it already)."""
@@ -165,9 +169,14 @@ def build_run(config: RunConfig, *, checked: Preflight | None = None) -> Run:
     run_dir.mkdir(parents=True, exist_ok=True)
     save_resolved(config, run_dir)
     if not ray.is_initialized():
+        address = os.environ.get("RAY_ADDRESS") or None
         ray.init(
-            address=os.environ.get("RAY_ADDRESS") or None,
+            address=address,
             include_dashboard=False,
+            # A cluster of our own starts no Python workers ahead (Ray starts num_cpus of them
+            # for tasks; every worker here is an actor with the job's runtime_env, which the
+            # prestarted ones lack, so they sat idle: ~45 MB each and their start-up CPU).
+            _system_config=None if address else _LEAN_RAY,
             log_to_driver=True,
             configure_logging=False,
             # Every worker of the job logs to RUN_DIR/logs (observability.run_log).

@@ -34,7 +34,7 @@ __all__ = ["RolloutAhead", "RolloutBatch"]
 
 @dataclass(kw_only=True)
 class RolloutBatch:
-    """What ``produce(step)`` returns: one RL step's prompts and completions."""
+    """What ``produce(step)`` returns: one RL step's prompts, completions and their rewards."""
 
     step: int
     """The RL step that trains on it."""
@@ -44,6 +44,11 @@ class RolloutBatch:
     """Per prompt, its completions (``rollout.base.Completion``), in prompt order."""
     generate_s: float
     """Seconds the generation took."""
+    rewards: list | None = None
+    """The reward results of every response, prompt-major (``rewards.RewardResult``): scored
+    by the producer right after generation, so ahead of the update when the batch is."""
+    reward_s: float = 0.0
+    """Seconds the scoring took."""
     cursor: dict | None = None
     """The data cursor (sampler state) from before these prompts were drawn (set by
     :class:`RolloutAhead`)."""

@@ -10,7 +10,9 @@ With ``rollout.placement: colocated`` the engines sleep and the actor onloads it
 gradient buffers and optimizer state around the update, and gives them up again before
 the sync (``Trainer.time_shared``). With ``rollout.max_staleness: k >= 1`` (disaggregated)
 the batches of the next steps are generated while the actor trains (``rollout_ahead.py``);
-the loss corrects for their older weights with the truncated importance weights.
+the loss corrects for their older weights with the truncated importance weights. Either
+way a batch is scored right after its generation (``_produce``), ahead of its update
+when the batch is.
 
 The components are built by ``builder.py`` and do the work (``actor/``, ``rollout/``,
 ``rewards/``, ``data/``, ``observability/``, ``evaluate.py``); this file only drives
@@ -101,8 +103,15 @@ class Trainer:
             cfg.rollout, seed=rollout_seed(cfg.trainer.seed, step), stop_token_ids=r.prompts.stop_token_ids
         )
         completions = r.pool.generate(prompts.token_ids, params)
-        return RolloutBatch(step=step, prompts=prompts, completions=completions,
-                            generate_s=time.perf_counter() - start)  # fmt: skip
+        generated = time.perf_counter()
+        # Scored here, in the background with the generation when the batch is made ahead.
+        n = cfg.rollout.num_samples_per_prompt
+        responses = [r.prompts.decode(c.token_ids) for group in completions for c in group]
+        ground_truths = [row.ground_truth for row in prompts.rows for _ in range(n)]
+        texts = [text for text in prompts.texts for _ in range(n)]
+        rewards = r.rewards.score(responses, ground_truths, texts)
+        return RolloutBatch(step=step, prompts=prompts, completions=completions, generate_s=generated - start,
+                            rewards=rewards, reward_s=time.perf_counter() - generated)  # fmt: skip
 
     def train_one_step(self, step: int) -> dict[str, float]:
         cfg, r = self.config, self.parts
@@ -120,15 +129,11 @@ class Trainer:
                 r.pool.sleep()
             with timed(timings, "onload"):
                 r.actors.onload_train_state()
-        with timed(timings, "reward"):
-            n = cfg.rollout.num_samples_per_prompt
-            responses = [r.prompts.decode(c.token_ids) for group in completions for c in group]
-            ground_truths = [row.ground_truth for row in prompts.rows for _ in range(n)]
-            texts = [text for text in prompts.texts for _ in range(n)]
-            results = r.rewards.score(responses, ground_truths, texts)
-            scores, counters = summarize(results)
-            rewards = torch.tensor(scores, dtype=torch.float64)
-            advantages = self.compute_advantages(rewards, exp)
+        timings["reward"] = rollout.reward_s  # with the generation
+        results = rollout.rewards
+        scores, counters = summarize(results)
+        rewards = torch.tensor(scores, dtype=torch.float64)
+        advantages = self.compute_advantages(rewards, exp)
         metrics = rollout_metrics(
             rewards, success_score=r.task.reward.success_score, response_lengths=exp.response_lengths,
             weight_versions=exp.weight_versions, reward_counters=counters, actor_version=step - 1,
