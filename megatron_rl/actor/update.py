@@ -89,10 +89,10 @@ def old_logp_from_train_forward(spec: ActorSpec) -> bool:
     )
 
 
-def _apply_tis(batch: ActorBatch, rows: list[int], tis_cap: float) -> None:
+def _apply_tis(batch: ActorBatch, rows: torch.Tensor | list[int], tis_cap: float) -> None:
     """Multiply the advantages of ``rows`` (in place) by their truncated importance weights,
     from their old log-probs against the engines' (``algo.truncated_is_weights``)."""
-    index = torch.tensor(rows, dtype=torch.long)
+    index = torch.as_tensor(rows, dtype=torch.long)
     batch.advantages[index] *= truncated_is_weights(
         batch.old_logp[index], batch.engine_logp[index], batch.loss_mask[index], tis_cap
     ).to(batch.advantages.dtype)
@@ -145,9 +145,11 @@ def update_policy(
             if reference is None:
                 raise RuntimeError("the loss has a KL term but this actor rank holds no reference policy")
             ref_logp = reference.compute_logprobs(batch).logp
-        batch = replace(batch, old_logp=old_logp, ref_logp=ref_logp, advantages=batch.advantages.clone())
-        if tis_cap is not None and known:
-            _apply_tis(batch, known, tis_cap)
+        batch = replace(batch, old_logp=old_logp, ref_logp=ref_logp)
+        if tis_cap is not None:  # a copy: the weights go into it in place
+            batch = replace(batch, advantages=batch.advantages.clone())
+            if known:
+                _apply_tis(batch, known, tis_cap)
 
     sums: dict[str, float] = defaultdict(float)
     updates = 0
@@ -165,7 +167,7 @@ def update_policy(
             if on_policy:
                 batch.old_logp[rows] = actor.last_train_logp
                 if tis_cap is not None:  # the loss applied them; later passes over these rows need them too
-                    _apply_tis(batch, rows.tolist(), tis_cap)
+                    _apply_tis(batch, rows, tis_cap)
             for key, v in m.items():
                 sums[key] += v
             updates += 1

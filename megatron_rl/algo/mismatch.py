@@ -84,7 +84,7 @@ def logprob_mismatch(
         raise ValueError(f"tis_cap: got {tis_cap}; must be >= 1 (or None to disable TIS)")
     valid = mask.bool()
     # float64 for the reductions: a step has up to millions of tokens.
-    diff = (actor_logp.double() - engine_logp.double()).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+    diff = _log_ratio(actor_logp, engine_logp)
     diff_valid = diff[valid]
     count = int(diff_valid.numel())
     ratio_valid = diff_valid.exp()
@@ -97,7 +97,7 @@ def logprob_mismatch(
     }
     weights = None
     if tis_cap is not None:
-        weights = truncated_is_weights(actor_logp, engine_logp, mask, tis_cap)
+        weights = _weights(diff, valid, tis_cap)
         metrics["rollout/tis/weight_mean"] = float(weights[valid].double().mean()) if count else 0.0
         metrics["rollout/tis/clip_frac"] = float((ratio_valid > tis_cap).double().mean()) if count else 0.0
     return MismatchOutput(metrics=metrics, tis_weights=weights)
@@ -114,6 +114,14 @@ def truncated_is_weights(
     log-probs before the update, and the fused loss to the train forward's own (detached)
     log-probs when an on-policy optimizer step takes its old log-probs from that forward.
     """
-    diff = (actor_logp.double() - engine_logp.double()).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
-    ratio = diff.exp()
-    return torch.where(mask.bool(), ratio.clamp(max=tis_cap), torch.ones_like(ratio)).to(torch.float32)
+    return _weights(_log_ratio(actor_logp, engine_logp), mask.bool(), tis_cap)
+
+
+def _log_ratio(actor_logp: torch.Tensor, engine_logp: torch.Tensor) -> torch.Tensor:
+    """``actor_logp - engine_logp`` in float64, clamped to what ``exp`` carries."""
+    return (actor_logp.double() - engine_logp.double()).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+
+
+def _weights(log_ratio: torch.Tensor, valid: torch.Tensor, tis_cap: float) -> torch.Tensor:
+    ratio = log_ratio.exp()
+    return torch.where(valid, ratio.clamp(max=tis_cap), torch.ones_like(ratio)).to(torch.float32)
