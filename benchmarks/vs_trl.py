@@ -18,9 +18,12 @@ Measured per run: the step wall time (TRL: a callback's ``on_step_begin`` to
 ``on_step_end``, generation included; ours: ``timing_s/step``, weight sync included),
 median over steps 4..N; the whole process's wall time (start-up and shutdown included);
 the peak over time of the summed PSS of the process and all its descendants (sampled
-every 0.5 s, at nice 19); the reward per step. Printed as JSON lines: one per run, then one summary
-with the ratios (ours / TRL) and a Welch t-test of the per-seed mean reward of the last
-5 steps.
+every 0.5 s, at nice 19); the CPU work per step: the CPU seconds (user + system) of the
+process and all its descendants between the ends of step 3 and step N (sampled every 0.1 s at
+nice 19, interpolated at those two instants) over N - 3, and the cores they kept busy on
+average (that CPU time over that wall time), which tells overlap apart from less work; the
+reward per step. Printed as JSON lines: one per run, then one summary with the ratios (ours
+/ TRL) and a Welch t-test of the per-seed mean reward of the last 5 steps.
 
     python benchmarks/vs_trl.py [--steps 30] [--seeds 3] [--trl-python /path/to/python]
                                 [--ours-overrides rollout.max_staleness=1 ...]
@@ -94,13 +97,14 @@ def _trl_main(work: Path, steps: int, seed: int, out: Path) -> None:
 
     class Clock(TrainerCallback):
         def __init__(self):
-            self.steps, self.rewards, self._t = [], [], 0.0
+            self.steps, self.ends, self.rewards, self._t = [], [], [], 0.0
 
         def on_step_begin(self, args, state, control, **kw):
             self._t = time.perf_counter()
 
         def on_step_end(self, args, state, control, **kw):
             self.steps.append(time.perf_counter() - self._t)
+            self.ends.append(time.time())  # wall clock: compared with the CPU sampler's
 
         def on_log(self, args, state, control, logs=None, **kw):
             if logs and "reward" in logs:
@@ -123,7 +127,7 @@ def _trl_main(work: Path, steps: int, seed: int, out: Path) -> None:
     trainer = GRPOTrainer(model=str(work / "model"), reward_funcs=reward, args=config, train_dataset=dataset,
                           processing_class=tokenizer, callbacks=[clock])  # fmt: skip
     trainer.train()
-    out.write_text(json.dumps({"step_s": clock.steps, "reward": clock.rewards}))
+    out.write_text(json.dumps({"step_s": clock.steps, "step_end_time": clock.ends, "reward": clock.rewards}))
 
 
 class _PssPeak:
@@ -164,6 +168,62 @@ class _PssPeak:
         return self.peak
 
 
+class _CpuTrace:
+    """The CPU seconds (user + system) a process and its descendants have used, over time.
+
+    Every ``period_s`` (at nice 19, this thread only) it reads each live process's CPU
+    times (``/proc/PID/stat``: cheap, unlike PSS) and keeps the last reading of every
+    process it has seen, so a process that ended still counts what it used up to its
+    last sample; the sum is stamped with the wall clock (``time.time()``)."""
+
+    def __init__(self, pid: int, period_s: float = 0.1):
+        self.pid, self.period_s = pid, period_s
+        self.samples: list[tuple[float, float]] = []
+        self._last: dict[tuple[int, float], float] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        while not self._stop.is_set():
+            try:
+                root = psutil.Process(self.pid)
+                procs = [root, *root.children(recursive=True)]
+            except psutil.NoSuchProcess:
+                return
+            for p in procs:
+                try:
+                    with p.oneshot():
+                        key, times = (p.pid, p.create_time()), p.cpu_times()
+                    self._last[key] = times.user + times.system
+                except (psutil.NoSuchProcess, psutil.AccessDenied):
+                    pass
+            self.samples.append((time.time(), sum(self._last.values())))
+            self._stop.wait(self.period_s)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def at(self, when: float) -> float:
+        """CPU seconds used up to wall time ``when`` (linear between the samples around it)."""
+        times = [t for t, _ in self.samples]
+        if not times or not times[0] <= when <= times[-1]:
+            raise ValueError(f"no CPU samples around {when} (sampled {times[:1]}..{times[-1:]})")
+        for (t0, c0), (t1, c1) in zip(self.samples, self.samples[1:]):
+            if t0 <= when <= t1:
+                return c0 + (c1 - c0) * ((when - t0) / (t1 - t0) if t1 > t0 else 0.0)
+        return self.samples[-1][1]
+
+    def per_step(self, step_ends: list[float], skip: int) -> dict[str, float]:
+        """CPU seconds per step and mean busy cores over steps ``skip+1..N`` (``step_ends``:
+        the wall time each step ended)."""
+        t0, t1 = step_ends[skip - 1], step_ends[-1]
+        cpu = self.at(t1) - self.at(t0)
+        return {"cpu_s_per_step": cpu / (len(step_ends) - skip), "busy_cores": cpu / (t1 - t0)}
+
+
 def wait_idle(threshold: float, timeout_s: float) -> float:
     deadline = time.monotonic() + timeout_s
     while os.getloadavg()[0] > threshold and time.monotonic() < deadline:
@@ -171,17 +231,18 @@ def wait_idle(threshold: float, timeout_s: float) -> float:
     return os.getloadavg()[0]
 
 
-def _timed(cmd: list[str], env: dict[str, str]) -> tuple[float, int]:
-    """Wall seconds and peak summed PSS of ``cmd`` (raises naming it when it fails)."""
+def _timed(cmd: list[str], env: dict[str, str]) -> tuple[float, int, _CpuTrace]:
+    """Wall seconds, peak summed PSS and the CPU trace of ``cmd`` (raises naming it when it fails)."""
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    pss = _PssPeak(proc.pid)
+    pss, cpu = _PssPeak(proc.pid), _CpuTrace(proc.pid)
     _, err = proc.communicate()
     wall = time.perf_counter() - start
     peak = pss.stop()
+    cpu.stop()
     if proc.returncode != 0:
         raise RuntimeError(f"{cmd[:4]} exited {proc.returncode}: {err.strip().splitlines()[-5:]}")
-    return wall, peak
+    return wall, peak, cpu
 
 
 def main() -> None:
@@ -214,20 +275,23 @@ def main() -> None:
             # TRL
             load = wait_idle(args.idle_load, args.idle_timeout_s)
             out = work / f"trl_seed{seed}.json"
-            wall, pss = _timed([args.trl_python, __file__, "--steps", str(args.steps), "--trl-run", str(work),
+            wall, pss, cpu = _timed([args.trl_python, __file__, "--steps", str(args.steps), "--trl-run", str(work),
                                    str(seed), str(out)], env)  # fmt: skip
             trl = json.loads(out.read_text())
             runs["trl"].append({"seed": seed, "step_s": statistics.median(trl["step_s"][skip:]), "process_s": wall,
-                                "pss_peak_bytes": pss, "reward": trl["reward"], "load_before": load})  # fmt: skip
+                                "pss_peak_bytes": pss, **cpu.per_step(trl["step_end_time"], skip),
+                                "reward": trl["reward"], "load_before": load})  # fmt: skip
             print(json.dumps({"bench": "vs_trl", "framework": "trl", **runs["trl"][-1]}), flush=True)
             # megatron_rl
             load = wait_idle(args.idle_load, args.idle_timeout_s)
             cfg = _ours_config(work, work / "model", args.steps, seed)
-            wall, pss = _timed([sys.executable, "-m", "megatron_rl", "train", str(cfg), *args.ours_overrides], env)
-            records = read_metrics(work / "runs" / f"ours_seed{seed}")
+            wall, pss, cpu = _timed([sys.executable, "-m", "megatron_rl", "train", str(cfg), *args.ours_overrides],
+                                    env)  # fmt: skip
+            records = read_metrics(work / "runs" / f"ours_seed{seed}")  # one line per step, stamped when logged
             runs["megatron_rl"].append({
                 "seed": seed, "step_s": statistics.median(r["timing_s/step"] for r in records[skip:]),
-                "process_s": wall, "pss_peak_bytes": pss, "reward": [r["rollout/reward/mean"] for r in records],
+                "process_s": wall, "pss_peak_bytes": pss, **cpu.per_step([r["time"] for r in records], skip),
+                "reward": [r["rollout/reward/mean"] for r in records],
                 "load_before": load,
             })  # fmt: skip
             print(json.dumps({"bench": "vs_trl", "framework": "megatron_rl", **runs["megatron_rl"][-1]}), flush=True)
@@ -241,10 +305,12 @@ def main() -> None:
         "bench": "vs_trl", "summary": True, "steps": args.steps, "seeds": args.seeds,
         "ours_overrides": args.ours_overrides,
         "cpu": cpu_model(), "cores": os.cpu_count(),
-        **{f"{f}_{k}": med(f, k) for f in runs for k in ("step_s", "process_s", "pss_peak_bytes")},
+        **{f"{f}_{k}": med(f, k) for f in runs for k in ("step_s", "process_s", "pss_peak_bytes", "cpu_s_per_step",
+                                                            "busy_cores")},
         "step_ratio": med("megatron_rl", "step_s") / med("trl", "step_s"),
         "process_ratio": med("megatron_rl", "process_s") / med("trl", "process_s"),
         "pss_ratio": med("megatron_rl", "pss_peak_bytes") / med("trl", "pss_peak_bytes"),
+        "cpu_per_step_ratio": med("megatron_rl", "cpu_s_per_step") / med("trl", "cpu_s_per_step"),
         "reward_first5": first, "reward_last5": final,
     }  # fmt: skip
     if args.seeds >= 2:

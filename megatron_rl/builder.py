@@ -35,7 +35,7 @@ import torch
 from megatron_rl.actor.ray_group import ActorGroup, is_hf_directory
 from megatron_rl.actor.spec import ActorSpec
 from megatron_rl.config import RunConfig
-from megatron_rl.configlib import save_resolved, to_dict
+from megatron_rl.configlib import ConfigError, save_resolved, to_dict
 from megatron_rl.data.source import PromptSource
 from megatron_rl.models import adapter_for_config
 from megatron_rl.observability import MetricsSink
@@ -53,6 +53,7 @@ from megatron_rl.placement import (
 )
 from megatron_rl.preflight import Preflight, preflight
 from megatron_rl.rewards import RewardPool
+from megatron_rl.rollout.local_pool import LocalRolloutPool
 from megatron_rl.rollout.pool import RolloutPool
 from megatron_rl.tasks import Task
 from megatron_rl.weight_sync import WeightSync, resolve_transport
@@ -76,7 +77,7 @@ class Run:
     """Training prompts in a resumable order, eval prompts, tokenisation."""
     actors: ActorGroup
     """The Megatron actor's ranks."""
-    pool: RolloutPool
+    pool: RolloutPool | LocalRolloutPool
     """The rollout engines."""
     weight_sync: WeightSync
     """The actor's weights into the engines, one version per step."""
@@ -186,6 +187,9 @@ def build_run(config: RunConfig, *, checked: Preflight | None = None) -> Run:
             },
         )
     actor_group, engine_group, gpu_placement = _placements(config)
+    if gpu_placement is not None and config.rollout.engine_process == "driver":
+        raise ConfigError("rollout.engine_process", "driver: the cluster has GPUs, and an engine in the driver's "
+                          "process runs on CPU only (use ray_actor)")  # fmt: skip
     # A run that starts from a HF directory hands it to the engines unchanged; otherwise
     # the engines start from the actor's initial weights (_write_engine_init). In the
     # first case the actor ranks build their models while the engines start and load,
@@ -195,7 +199,10 @@ def build_run(config: RunConfig, *, checked: Preflight | None = None) -> Run:
     overlap = engine_dir is not None and not (gpu_placement is not None and config.rollout.placement == "colocated")
     actors = ActorGroup(actor_spec(config), actor_group, wait=not overlap)
 
-    def start_pool(model_dir: Path) -> RolloutPool:
+    def start_pool(model_dir: Path) -> RolloutPool | LocalRolloutPool:
+        if config.rollout.engine_process == "driver":
+            return LocalRolloutPool(config.rollout, str(model_dir), torch_threads=engine_group.torch_threads,
+                                    weight_format=config.rollout.weight_dtype)  # fmt: skip
         return RolloutPool(config.rollout, str(model_dir), placement=engine_group, weight_backend=backend,
                            weight_format=config.rollout.weight_dtype)  # fmt: skip
 

@@ -1,4 +1,5 @@
-"""Rollout: the engine interface, the HF and vLLM engines, and the Ray engine pool.
+"""Rollout: the engine interface, the HF and vLLM engines, the Ray engine pool, and the
+one-engine pool inside the driver's process (``rollout.engine_process: driver``).
 
     from megatron_rl.config import RolloutConfig
     from megatron_rl.rollout import RolloutPool, SamplingParams
@@ -32,6 +33,7 @@ _LAZY = {
     "VLLMEngine": "megatron_rl.rollout.vllm_engine",
     "RolloutEngineError": "megatron_rl.rollout.pool",
     "RolloutPool": "megatron_rl.rollout.pool",
+    "LocalRolloutPool": "megatron_rl.rollout.local_pool",
 }
 
 __all__ = [

@@ -70,3 +70,17 @@ class FaultOnSyncEngine(HFEngine):
         except FileNotFoundError:
             return super()._load_host(named_tensors)
         os._exit(1)
+
+
+class RaisesOnGenerateEngine(HFEngine):
+    """Raises (the process lives on) on every ``generate`` whose prompt starts with token
+    ``bad_token``: an engine bug, as opposed to a crash."""
+
+    def __init__(self, model_path: str, *, name: str = "raises", bad_token: int = 0, **engine_args: Any):
+        super().__init__(model_path, name=name, **engine_args)
+        self.bad_token = bad_token
+
+    def generate(self, prompts, params, *, prompt_seeds=None):
+        if any(p and p[0] == self.bad_token for p in prompts):
+            raise RuntimeError(f"refusing prompts that start with {self.bad_token}")
+        return super().generate(prompts, params, prompt_seeds=prompt_seeds)
