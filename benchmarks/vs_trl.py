@@ -130,6 +130,15 @@ def _trl_main(work: Path, steps: int, seed: int, out: Path) -> None:
     out.write_text(json.dumps({"step_s": clock.steps, "step_end_time": clock.ends, "reward": clock.rewards}))
 
 
+def _tree(pid: int) -> list[psutil.Process] | None:
+    """A process and all its descendants; ``None`` once it has ended."""
+    try:
+        root = psutil.Process(pid)
+        return [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return None
+
+
 class _PssPeak:
     """Peak over time of the summed PSS of a process and its descendants.
 
@@ -147,12 +156,7 @@ class _PssPeak:
 
     def _run(self) -> None:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)  # this thread only (Linux)
-        while not self._stop.is_set():
-            try:
-                root = psutil.Process(self.pid)
-                procs = [root, *root.children(recursive=True)]
-            except psutil.NoSuchProcess:
-                return
+        while (procs := _tree(self.pid)) is not None and not self._stop.is_set():
             total = 0
             for p in procs:
                 try:
@@ -186,12 +190,7 @@ class _CpuTrace:
 
     def _run(self) -> None:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-        while not self._stop.is_set():
-            try:
-                root = psutil.Process(self.pid)
-                procs = [root, *root.children(recursive=True)]
-            except psutil.NoSuchProcess:
-                return
+        while (procs := _tree(self.pid)) is not None and not self._stop.is_set():
             for p in procs:
                 try:
                     with p.oneshot():

@@ -11,9 +11,9 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from megatron_rl.rollout.base import SamplingParams
+from megatron_rl.rollout.base import SamplingParams, check_prompts, prompt_seeds_for
 
-__all__ = ["Request", "pick_engine", "split_requests"]
+__all__ = ["Request", "pick_engine", "plan_call", "split_requests"]
 
 
 @dataclass
@@ -51,6 +51,18 @@ def split_requests(
         )
         for i, (lo, hi) in enumerate(bounds)
     ]
+
+
+def plan_call(
+    prompts: Sequence[Sequence[int]], params: SamplingParams, *, num_live: int, max_prompts_per_request: int | None
+) -> tuple[list[list[int]], list[int], list[Request]]:
+    """A ``generate`` call's checked prompts (lists of ints), the seed of each prompt (from
+    its position in the whole call: results do not depend on the split) and its requests."""
+    check_prompts(prompts)
+    prompts = [list(map(int, p)) for p in prompts]
+    seeds = prompt_seeds_for(params.seed, range(len(prompts)))
+    requests = split_requests(prompts, params, num_live=num_live, max_prompts_per_request=max_prompts_per_request)
+    return prompts, seeds, requests
 
 
 def pick_engine(live: Sequence[int], outstanding: Sequence[int], queued: Sequence[int], *, cap: int) -> int | None:

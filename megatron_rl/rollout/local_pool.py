@@ -25,9 +25,10 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from megatron_rl.config.rollout import RolloutConfig
-from megatron_rl.rollout.base import Completion, SamplingParams, check_prompts, prompt_seeds_for
-from megatron_rl.rollout.dispatch import split_requests
+from megatron_rl.rollout.base import Completion, SamplingParams
+from megatron_rl.rollout.dispatch import plan_call
 from megatron_rl.rollout.engine_client import RolloutEngineError
+from megatron_rl.rollout.pool import sync_stats
 from megatron_rl.rollout.worker import EngineWorker
 from megatron_rl.weight_buckets import WeightBucket
 from megatron_rl.weight_transfer.meta import TensorMeta
@@ -97,11 +98,8 @@ class LocalRolloutPool:
         num_prompts = len(prompts)
         if num_prompts == 0:
             return []
-        check_prompts(prompts)
-        prompts = [list(map(int, p)) for p in prompts]
-        seeds = prompt_seeds_for(params.seed, range(num_prompts))
-        requests = split_requests(prompts, params, num_live=1,
-                                  max_prompts_per_request=self.config.pool.max_prompts_per_request)  # fmt: skip
+        prompts, seeds, requests = plan_call(prompts, params, num_live=1,
+                                             max_prompts_per_request=self.config.pool.max_prompts_per_request)  # fmt: skip
         results: list[list[Completion]] = []
         with self._lock:
             for req in requests:
@@ -179,18 +177,8 @@ class LocalRolloutPool:
                         from exc  # fmt: skip
                 raise
             self.commit_update(version, [0])
-        num_bytes = sum(m.num_bytes for m in metas)
-        seconds = time.perf_counter() - start
-        return {
-            "weight_sync/seconds": seconds,
-            "weight_sync/put_seconds": get_seconds,
-            "weight_sync/bytes": float(num_bytes),
-            "weight_sync/num_tensors": float(len(metas)),
-            "weight_sync/num_buckets": float(num_buckets),
-            "weight_sync/num_engines": 1.0,
-            "weight_sync/gib_per_s": num_bytes / seconds / (1 << 30) if seconds > 0 else float("inf"),
-            "weight_sync/version": float(version),
-        }
+        return sync_stats(time.perf_counter() - start, put_seconds=get_seconds, metas=metas, num_buckets=num_buckets,
+                          num_engines=1, version=version)  # fmt: skip
 
     def restart(self, engines: Iterable[int], *, restore: bool = True) -> None:
         raise RolloutEngineError(f"{self.engine_names[0]} runs in the driver's process and cannot be restarted "

@@ -42,13 +42,8 @@ from typing import Any
 
 from megatron_rl.config.rollout import RolloutConfig
 from megatron_rl.placement import GroupPlacement
-from megatron_rl.rollout.base import (
-    Completion,
-    SamplingParams,
-    check_prompts,
-    prompt_seeds_for,
-)
-from megatron_rl.rollout.dispatch import Request, pick_engine, split_requests
+from megatron_rl.rollout.base import Completion, SamplingParams
+from megatron_rl.rollout.dispatch import Request, pick_engine, plan_call
 from megatron_rl.rollout.engine_client import (
     EngineGroupClient,
     RolloutEngineError,
@@ -61,9 +56,28 @@ from megatron_rl.rollout.worker import EngineWorker
 from megatron_rl.weight_buckets import WeightBucket
 from megatron_rl.weight_transfer.meta import TensorMeta
 
-__all__ = ["RolloutEngineError", "RolloutPool"]
+__all__ = ["RolloutEngineError", "RolloutPool", "sync_stats"]
 
 logger = logging.getLogger(__name__)
+
+
+def sync_stats(
+    seconds: float, *, put_seconds: float, metas: list[TensorMeta], num_buckets: int, num_engines: int, version: int
+) -> dict[str, float]:
+    """The statistics of one object-store sync (``RolloutPool.sync``'s return); logs a line."""
+    num_bytes = sum(m.num_bytes for m in metas)
+    logger.info("weight sync v%d: %.3f GiB in %d buckets to %d engines in %.2fs", version, num_bytes / (1 << 30),
+                num_buckets, num_engines, seconds)  # fmt: skip
+    return {
+        "weight_sync/seconds": seconds,
+        "weight_sync/put_seconds": put_seconds,
+        "weight_sync/bytes": float(num_bytes),
+        "weight_sync/num_tensors": float(len(metas)),
+        "weight_sync/num_buckets": float(num_buckets),
+        "weight_sync/num_engines": float(num_engines),
+        "weight_sync/gib_per_s": num_bytes / seconds / (1 << 30) if seconds > 0 else float("inf"),
+        "weight_sync/version": float(version),
+    }
 
 
 class RolloutPool:
@@ -175,13 +189,8 @@ class RolloutPool:
         num_prompts = len(prompts)
         if num_prompts == 0:
             return []
-        check_prompts(prompts)
-        prompts = [list(map(int, p)) for p in prompts]
-        seeds = prompt_seeds_for(params.seed, range(num_prompts))
-        requests = split_requests(
-            prompts, params, num_live=len(self.live_engines),
-            max_prompts_per_request=self.config.pool.max_prompts_per_request,
-        )  # fmt: skip
+        prompts, seeds, requests = plan_call(prompts, params, num_live=len(self.live_engines),
+                                             max_prompts_per_request=self.config.pool.max_prompts_per_request)  # fmt: skip
         pending = collections.deque(requests)
         inflight: dict[ray.ObjectRef, Request] = {}
         outstanding = [0] * self.num_engines
@@ -452,23 +461,8 @@ class RolloutPool:
         self._recover_all(failed)
         if not self.config.pool.keep_weights_for_restart:
             self._restore_refs, self._restore_metas = [], []
-        num_bytes = sum(m.num_bytes for m in metas)
-        seconds = time.perf_counter() - start
-        stats = {
-            "weight_sync/seconds": seconds,
-            "weight_sync/put_seconds": put_seconds,
-            "weight_sync/bytes": float(num_bytes),
-            "weight_sync/num_tensors": float(len(metas)),
-            "weight_sync/num_buckets": float(len(refs)),
-            "weight_sync/num_engines": float(self.num_engines),
-            "weight_sync/gib_per_s": num_bytes / seconds / (1 << 30) if seconds > 0 else float("inf"),
-            "weight_sync/version": float(version),
-        }
-        logger.info(
-            "weight sync v%d: %.3f GiB in %d buckets to %d engines in %.2fs",
-            version, num_bytes / (1 << 30), len(refs), self.num_engines, seconds,
-        )  # fmt: skip
-        return stats
+        return sync_stats(time.perf_counter() - start, put_seconds=put_seconds, metas=metas, num_buckets=len(refs),
+                          num_engines=self.num_engines, version=version)  # fmt: skip
 
     def _wait_loads(self, loads: list[tuple[int, Any]], failed: set[int], version: int) -> None:
         """Wait for one bucket's loads; an engine that died is brought back at the end."""
