@@ -96,7 +96,7 @@ class RolloutConfig(SamplingSettings):
     """Where the engines run: ``ray_actor``, each in a Ray actor process of its own (the
     pool's dispatch, restarts and every weight transport); ``driver``, one engine inside
     the driver's process, TRL's one-process layout for small CPU runs: no process of its
-    own with a second copy of torch, transformers and the Ray worker (about 0.4 GB on the
+    own with a second copy of torch, transformers and the Ray worker (about 0.3 GB on the
     CPU benchmark), weights through the object store, generation in the driver's
     background thread when ``max_staleness >= 1``. Needs ``num_engines: 1``, no GPUs and
     the ``pool`` recovery settings at their defaults: an engine failure there stops the run."""

@@ -11,7 +11,8 @@ restarts and no time-outs (an engine failure raises :class:`RolloutEngineError` 
 stops the run), no transfer groups (``RolloutConfig`` refuses those settings).
 
 Why: on a small CPU machine the engine's own process holds a second copy of torch,
-transformers and a Ray worker (about 0.4 GB of the CPU benchmark's 1.8 GB). With
+transformers and a Ray worker: the layout saves about 0.3 GB of the CPU benchmark's 1.77 GB
+of summed PSS (docs/benchmarks.md). With
 ``rollout.max_staleness >= 1`` the driver's rollout-ahead thread generates while the
 driver's main thread waits on the actor, which releases the GIL.
 """
