@@ -49,6 +49,9 @@ class RolloutBatch:
     by the producer right after generation, so ahead of the update when the batch is."""
     reward_s: float = 0.0
     """Seconds the scoring took."""
+    experience: Any = None
+    """The update's padded batch of prompts and responses (``experience.Experience``), built
+    by the producer too, so it is ready when the trainer takes the batch."""
     cursor: dict | None = None
     """The data cursor (sampler state) from before these prompts were drawn (set by
     :class:`RolloutAhead`)."""

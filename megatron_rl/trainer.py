@@ -104,14 +104,16 @@ class Trainer:
         )
         completions = r.pool.generate(prompts.token_ids, params)
         generated = time.perf_counter()
-        # Scored here, in the background with the generation when the batch is made ahead.
+        # Scored and batched here, in the background with the generation when the batch is made ahead.
         n = cfg.rollout.num_samples_per_prompt
         responses = [r.prompts.decode(c.token_ids) for group in completions for c in group]
         ground_truths = [row.ground_truth for row in prompts.rows for _ in range(n)]
         texts = [text for text in prompts.texts for _ in range(n)]
         rewards = r.rewards.score(responses, ground_truths, texts)
+        scored = time.perf_counter()
+        exp = build_experience(prompts.token_ids, completions, pad_id=r.prompts.pad_id)
         return RolloutBatch(step=step, prompts=prompts, completions=completions, generate_s=generated - start,
-                            rewards=rewards, reward_s=time.perf_counter() - generated)  # fmt: skip
+                            rewards=rewards, reward_s=scored - generated, experience=exp)  # fmt: skip
 
     def train_one_step(self, step: int) -> dict[str, float]:
         cfg, r = self.config, self.parts
@@ -119,8 +121,7 @@ class Trainer:
         start = time.perf_counter()
         ahead = self.ahead  # set up by run()
         rollout, waited = ahead.take(step)
-        prompts, completions = rollout.prompts, rollout.completions
-        exp = build_experience(prompts.token_ids, completions, pad_id=r.prompts.pad_id)
+        exp: Experience = rollout.experience
         timings["generate"] = rollout.generate_s  # ahead: in the background, during earlier updates
         if ahead.max_staleness:
             timings["actor_wait_rollout"] = waited

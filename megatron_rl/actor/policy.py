@@ -159,18 +159,25 @@ class PolicyModel:
 
         hidden_only = self.fused_linear and self.groups.is_last_stage
 
+        # The CPU shim's mode is for megatron's schedule code ("cuda" literals); the model's
+        # forward and the loss run outside it (cpu_shim.suspended).
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
             packed = _packed_seq_params(mb)
             mask = None if packed else self._attention_mask(mb.input_ids.shape[1], mb.input_ids.device)
             inputs = dict(attention_mask=mask, packed_seq_params=packed)
-            if hidden_only:
-                output = final_hidden_states(self.model, mb.input_ids, mb.position_ids(), **inputs)
-            else:  # labels=None: the last stage returns vocab-parallel logits [b, s, V/TP]
-                output = model(mb.input_ids, mb.position_ids(), **inputs)
-            return output, partial(loss_func, mb)
+            with cpu_shim.suspended(mode):
+                if hidden_only:
+                    output = final_hidden_states(self.model, mb.input_ids, mb.position_ids(), **inputs)
+                else:  # labels=None: the last stage returns vocab-parallel logits [b, s, V/TP]
+                    output = model(mb.input_ids, mb.position_ids(), **inputs)
+            return output, partial(outside_mode_loss, mb)
 
-        with cpu_shim.cuda_to_cpu():
+        def outside_mode_loss(mb: MicroBatch, output: torch.Tensor):
+            with cpu_shim.suspended(mode):
+                return loss_func(mb, output)
+
+        with cpu_shim.cuda_to_cpu() as mode:
             return get_forward_backward_func(pp_size=self.groups.pp_size)(
                 forward_step_func=forward_step,
                 data_iterator=iter(microbatches),

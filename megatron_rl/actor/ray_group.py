@@ -271,16 +271,21 @@ class ActorGroup:
         refs = [getattr(w, method).remote(*args, **kwargs) for w in self.workers]
         return ray.get(refs)[0]
 
+    def _shared(self, value: Any) -> Any:
+        """An argument for every rank: one object-store copy for several ranks; for one rank
+        the value itself (Ray inlines a small argument into the call: no put, ~1.5 ms less)."""
+        return ray.put(value) if len(self.workers) > 1 else value
+
     def compute_logprobs(self, batch: ActorBatch, *, policy: str = "actor") -> LogProbs:
         """Per-token log-probs and entropies of ``batch`` (``policy``: actor or reference)."""
-        return self._all("compute_logprobs", ray.put(batch), policy)
+        return self._all("compute_logprobs", self._shared(batch), policy)
 
     def update_policy(self, batch: ActorBatch, step: int, *, token_stats: bool = False) -> dict[str, float]:
         """RL step ``step``'s whole update on ``batch`` (see ``actor/update.py``); its metrics.
 
         Raises :class:`NonFiniteStepsError` once ``trainer.max_consecutive_nonfinite_steps``
         steps in a row had a skipped (non-finite) update."""
-        metrics = self._all("update_policy", ray.put(batch), step, token_stats)
+        metrics = self._all("update_policy", self._shared(batch), step, token_stats)
         limit = self.spec.trainer.max_consecutive_nonfinite_steps
         self.consecutive_nonfinite = self.consecutive_nonfinite + 1 if metrics["actor/step_skipped"] else 0
         if self.consecutive_nonfinite >= limit:

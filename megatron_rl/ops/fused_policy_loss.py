@@ -308,17 +308,46 @@ class _FusedPolicyLoss(torch.autograd.Function):
         return grad.reshape(ctx.logits_shape), None, None, None, None
 
 
+class _ChunkLogits:
+    """``h[rows] @ W^T``, the logits of a chunk of tokens, for the two passes of the fused
+    lm-head mode. When one chunk holds every token (always with the Triton kernels; on CPU
+    whenever ``[T, V_local]`` fits the 64 MiB budget) the statistics pass keeps its logits
+    and the gradient pass takes them instead of multiplying again: one ``[T, H] x [H, V]``
+    matmul less, and no extra memory (the gradient pass would allocate the same tensor).
+    The kept tensor is unchanged by the statistics pass (it never writes into the logits),
+    so the result is bitwise the recomputation's."""
+
+    def __init__(self, h: torch.Tensor, weight: torch.Tensor):
+        self.h, self.weight = h, weight
+        self._kept: torch.Tensor | None = None
+
+    def __call__(self, sl: slice) -> torch.Tensor:
+        if self._kept is not None and sl.start == 0 and sl.stop == self.h.shape[0]:
+            kept, self._kept = self._kept, None
+            return kept
+        return self.h[sl] @ self.weight.t()
+
+    def keeping_whole(self, sl: slice) -> torch.Tensor:
+        """The statistics pass's chunks when a gradient pass follows; a chunk of every token
+        is kept for it (a forward-only call drops each chunk after use, as before)."""
+        logits = self(sl)
+        if sl.start == 0 and sl.stop == self.h.shape[0]:
+            self._kept = logits
+        return logits
+
+
 class _FusedLinearPolicyLoss(torch.autograd.Function):
     """Loss sum from hidden ``[T, H]`` and the lm-head shard ``[V_local, H]``."""
 
     @staticmethod
     def forward(ctx, hidden, weight, inputs: LossInputs, config, options: VocabParallelOptions, holder, main_grad):
         h = hidden.reshape(-1, hidden.shape[-1])
-        chunk = lambda sl: h[sl] @ weight.t()  # noqa: E731
+        chunk = _ChunkLogits(h, weight)
         kernel = resolve_kernel(options.kernel, h)
         ws = _workspace(h.shape[0], weight.shape[0], options, hidden.dtype, hidden.device, kernel)
-        stats = _stats(chunk, inputs.targets, inputs.mask, weight.shape[0], options, hidden.dtype, ws, kernel)
         need_grad = hidden.requires_grad or weight.requires_grad
+        stats = _stats(chunk.keeping_whole if need_grad else chunk, inputs.targets, inputs.mask, weight.shape[0],
+                       options, hidden.dtype, ws, kernel)  # fmt: skip
         out, g_logp, g_ent = _loss_on_tokens(stats, inputs, config, need_grad)
         holder["output"] = out
         holder["stats"] = stats

@@ -240,3 +240,51 @@ def test_no_device_sync_per_chunk_on_cuda(kernel):
     syncs(21)  # a first call may synchronise once more (lazy initialisation, kernel compilation)
     few, many = syncs(21), syncs(1)
     assert len(few) == len(many), (few, many)
+
+
+class _CountLogitMatmuls(TorchFunctionMode):
+    """Counts the matmuls that produce logits (an output ``vocab`` columns wide)."""
+
+    def __init__(self, vocab: int):
+        super().__init__()
+        self.vocab, self.count = vocab, 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if getattr(func, "__name__", "") in ("matmul", "__matmul__") and out.shape[-1] == self.vocab:
+            self.count += 1
+        return out
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_linear_one_chunk_multiplies_once_and_the_stats_pass_leaves_its_logits_alone(temperature, dtype):
+    """With every token in one chunk the gradient pass takes the statistics pass's logits
+    instead of multiplying again: one ``h @ W^T`` per forward, and those logits are
+    bitwise ``h @ W^T`` still when the gradient pass gets them (the statistics pass
+    reads them in place when no conversion or scaling is needed: float32 at T=1)."""
+    from megatron_rl.ops.fused_policy_loss import _ChunkLogits, _stats
+
+    hidden, weight, inputs, _ = make_linear_inputs(23, 4)
+    h, w = hidden.reshape(-1, 16).to(dtype), weight.to(dtype)
+    chunk = _ChunkLogits(h, w)
+    options = VocabParallelOptions(temperature=temperature)
+    _stats(chunk.keeping_whole, inputs.targets, inputs.mask, 37, options, dtype, None, "torch")
+    whole = slice(0, h.shape[0])
+    kept = chunk(whole)
+    assert torch.equal(kept, h @ w.t())
+    assert chunk(whole) is not kept  # handed over once; a later call multiplies again
+
+    cfg = LOSS_CASES["grpo_kl_k3_entropy"]
+    hr, wr = hidden.to(dtype).requires_grad_(), w.clone().requires_grad_()
+    with _CountLogitMatmuls(37) as counter:
+        out, _ = fused_linear_policy_loss(hr, wr, inputs, cfg, VocabParallelOptions(temperature=temperature))
+    assert counter.count == 1
+    (out.loss_sum / out.count).backward()
+    _, want_grad, *_ = naive_loss(hidden @ weight.t(), *_linear_tensors(inputs), cfg, temperature=temperature)
+    tol = dict(atol=1e-12, rtol=1e-10) if dtype == torch.float64 else dict(atol=1e-6, rtol=1e-4)
+    torch.testing.assert_close(hr.grad.double(), want_grad @ weight, **tol)
+
+
+def _linear_tensors(inputs):
+    return inputs.targets, inputs.mask, inputs.old_logp, inputs.ref_logp, inputs.advantages

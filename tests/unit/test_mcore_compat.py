@@ -122,3 +122,26 @@ def test_ddp_gradient_sync_runs_on_cpu_with_the_shim():
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
     assert f"OK {mcore_compat.mcore_version()}" in proc.stdout
+
+
+def test_suspended_steps_out_of_the_shims_mode_and_back():
+    """``cpu_shim.suspended(mode)``: the body runs without the mode (a ``"cuda"`` factory
+    call fails on a CPU-only torch, as in the model code it is for), the mode is back after
+    it, also after an exception; ``None`` (CUDA) does nothing."""
+    if torch.cuda.is_available():
+        pytest.skip("the CPU shim's mode is a no-op with CUDA")
+    from megatron_rl.actor import cpu_shim
+
+    with cpu_shim.cuda_to_cpu() as mode:
+        assert torch.zeros(2, device="cuda").device.type == "cpu"
+        with cpu_shim.suspended(mode):
+            with pytest.raises((AssertionError, RuntimeError)):
+                torch.zeros(2, device="cuda")
+        assert torch.zeros(2, device="cuda").device.type == "cpu"
+        with pytest.raises(KeyError), cpu_shim.suspended(mode):
+            raise KeyError("body")
+        assert torch.zeros(2, device="cuda").device.type == "cpu"
+        with cpu_shim.suspended(None):
+            assert torch.zeros(2, device="cuda").device.type == "cpu"
+    with pytest.raises((AssertionError, RuntimeError)):
+        torch.zeros(2, device="cuda")
