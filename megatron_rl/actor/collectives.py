@@ -57,20 +57,19 @@ def gather_token_values(
             rows = mb.per_row(v)  # [b, s]: one zero-padded row per sequence
             w = min(rows.shape[1], length)  # a micro-batch padded past the batch's width: drop the padding
             local[j, mb.rows, 1:w] = rows[:, : w - 1].float()
-    if groups.dp_size == 1 and groups.pp_size == 1:  # nothing to gather (a collective costs ~0.5 ms on gloo)
-        return local
-    full = torch.zeros(k, n, length, dtype=torch.float32, device=device())
-    if groups.is_last_stage and groups.dp_size == 1:
+    if groups.dp_size == 1:  # every row is this rank's: nothing to gather (a collective costs ~0.5 ms on gloo)
         full = local
-    elif groups.is_last_stage:
-        per_rank = -(-n // groups.dp_size)
-        padded = torch.zeros(k, per_rank, length, dtype=torch.float32, device=device())
-        padded[:, :num_local] = local
-        gathered = [torch.empty_like(padded) for _ in range(groups.dp_size)]
-        dist.all_gather(gathered, padded, group=groups.dp)
-        for d, part in enumerate(gathered):
-            count = len(range(d, n, groups.dp_size))
-            full[:, d :: groups.dp_size] = part[:, :count]
+    else:
+        full = torch.zeros(k, n, length, dtype=torch.float32, device=device())
+        if groups.is_last_stage:
+            per_rank = -(-n // groups.dp_size)
+            padded = torch.zeros(k, per_rank, length, dtype=torch.float32, device=device())
+            padded[:, :num_local] = local
+            gathered = [torch.empty_like(padded) for _ in range(groups.dp_size)]
+            dist.all_gather(gathered, padded, group=groups.dp)
+            for d, part in enumerate(gathered):
+                count = len(range(d, n, groups.dp_size))
+                full[:, d :: groups.dp_size] = part[:, :count]
     if groups.pp_size > 1:
         dist.broadcast(full, src=groups.last_stage_global_rank, group=groups.pp)
     return full

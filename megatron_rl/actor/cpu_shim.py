@@ -178,8 +178,8 @@ def suspended(mode: CudaToCpuMode | None) -> Iterator[None]:
 
     For the project's own callbacks inside a megatron schedule (the model's forward and
     the loss), which create nothing on ``"cuda"``: there the mode only costs time, since
-    every torch call would go through ``__torch_function__`` in Python (about 5 ms of a
-    0.13 s train step of the benchmark's 0.8M-parameter model, 1,900 calls). ``mode``
+    every torch call would go through ``__torch_function__`` in Python (about 1,900 calls,
+    3-5 ms of CPU time of a 0.15 s train step of the benchmark's 0.8M-parameter model). ``mode``
     must be the innermost torch-function mode, as it is when entered right around the
     schedule (the mode stack is popped and pushed; megatron enters no modes of its own).
     """
