@@ -119,6 +119,11 @@ class RolloutAhead:
             raise RuntimeError(f"asked for step {step}'s batch; the next one is step {batch.step}")
         return batch, time.perf_counter() - start
 
+    def ready(self, step: int) -> bool:
+        """Whether step ``step``'s batch is generated and next in line (:meth:`take` returns at once)."""
+        with self._cond:
+            return bool(self._ready) and self._ready[0].step == step
+
     def synced(self, version: int) -> None:
         """The engines now hold weights ``version``: later steps may start generating."""
         with self._cond:

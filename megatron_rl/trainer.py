@@ -12,7 +12,10 @@ the sync (``Trainer.time_shared``). With ``rollout.max_staleness: k >= 1`` (disa
 the batches of the next steps are generated while the actor trains (``rollout_ahead.py``);
 the loss corrects for their older weights with the truncated importance weights. Either
 way a batch is scored right after its generation (``_produce``), ahead of its update
-when the batch is.
+when the batch is. Ahead, the next step's update is also submitted to the actor as soon
+as this step's sync is done (``_start_next``): the actor runs it while the driver logs
+and evaluates this step, instead of waiting for the driver between updates; the order
+of every update, sync and generation, and so every number, is unchanged.
 
 The components are built by ``builder.py`` and do the work (``actor/``, ``rollout/``,
 ``rewards/``, ``data/``, ``observability/``, ``evaluate.py``); this file only drives
@@ -25,7 +28,9 @@ from __future__ import annotations
 
 import time
 from contextlib import ExitStack, nullcontext
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -46,6 +51,23 @@ from megatron_rl.seeding import rollout_seed
 __all__ = ["AllRewardsFailedError", "NonFiniteStepsError", "Trainer"]
 
 
+@dataclass(kw_only=True)
+class _Started:
+    """One step's update, prepared and submitted to the actor (maybe by the step before)."""
+
+    step: int
+    exp: Experience
+    metrics: dict[str, float]
+    """The step's rollout metrics so far."""
+    timings: dict[str, float] = field(default_factory=dict)
+    pending: Any = None
+    """The actor's pending results (``ActorGroup.submit_update``)."""
+    submitted_at: float = 0.0
+    """``time.perf_counter()`` at the submission."""
+    error: BaseException | None = None
+    """Raised instead of updating (every reward failed): the step is logged, then the run stops."""
+
+
 class Trainer:
     """Runs ``trainer.num_steps`` RL steps, resuming from the run's latest checkpoint."""
 
@@ -60,6 +82,8 @@ class Trainer:
         self.step = 0
         self.ahead: RolloutAhead | None = None
         """The batches of the coming steps (generated inline, or ahead with ``max_staleness``)."""
+        self._next: _Started | Exception | None = None
+        """The next step's update, submitted at the end of this one (see :meth:`_may_start_next`)."""
 
     def run(self) -> dict[str, float]:
         """Train to ``trainer.num_steps``; returns the last logged step's metrics."""
@@ -81,15 +105,15 @@ class Trainer:
                 if self.step % cfg.logging.log_every_steps == 0 or self.step == cfg.trainer.num_steps:
                     r.sink.log(self.step, last)
                     progress.update(self.step, last)
-                every = cfg.trainer.save_every_steps
-                due = (every and self.step % every == 0) or (
-                    self.step == cfg.trainer.num_steps and cfg.trainer.save_final
-                )
                 # After a skipped (non-finite) step the previous checkpoint stays the latest:
                 # a run that is diverging must not push its last good state aside.
-                if due and r.actors.consecutive_nonfinite == 0:
+                if self._save_due(self.step) and r.actors.consecutive_nonfinite == 0:
                     self.save_checkpoint()
         return last
+
+    def _save_due(self, step: int) -> bool:
+        every, num_steps = self.config.trainer.save_every_steps, self.config.trainer.num_steps
+        return bool((every and step % every == 0) or (step == num_steps and self.config.trainer.save_final))
 
     def close(self) -> None:
         self.parts.close()  # engines, actor ranks, reward workers; flushes the metrics
@@ -115,15 +139,14 @@ class Trainer:
         return RolloutBatch(step=step, prompts=prompts, completions=completions, generate_s=generated - start,
                             rewards=rewards, reward_s=scored - generated, experience=exp)  # fmt: skip
 
-    def train_one_step(self, step: int) -> dict[str, float]:
+    def _start(self, step: int) -> _Started:
+        """Take step ``step``'s batch, compute its advantages and submit its update."""
         cfg, r = self.config, self.parts
         timings: dict[str, float] = {}
-        start = time.perf_counter()
-        ahead = self.ahead  # set up by run()
-        rollout, waited = ahead.take(step)
+        rollout, waited = self.ahead.take(step)
         exp: Experience = rollout.experience
         timings["generate"] = rollout.generate_s  # ahead: in the background, during earlier updates
-        if ahead.max_staleness:
+        if self.ahead.max_staleness:
             timings["actor_wait_rollout"] = waited
         if self.time_shared:  # the engines give the devices back to the actor for the update
             with timed(timings, "sleep"):
@@ -141,11 +164,55 @@ class Trainer:
         )  # fmt: skip
         # Where in the data this step's prompts start (resumes continue it without a gap or a repeat).
         metrics.update({"data/epoch": float(rollout.cursor["epoch"]), "data/position": float(rollout.cursor["position"])})
+        started = _Started(step=step, exp=exp, metrics=metrics, timings=timings)
         try:
             self.reward_errors.update(step, results)
-            with timed(timings, "update"):
-                batch = exp.actor_batch(advantages)
-                metrics.update(r.actors.update_policy(batch, step, token_stats=cfg.logging.token_diagnostics))
+        except AllRewardsFailedError as e:
+            started.error = e
+            return started
+        started.submitted_at = time.perf_counter()
+        started.pending = r.actors.submit_update(exp.actor_batch(advantages), step,
+                                                 token_stats=cfg.logging.token_diagnostics)  # fmt: skip
+        if not self.time_shared:  # (time-shared, the actor offloads its train state before the sync)
+            r.weight_sync.prepare(step)
+        return started
+
+    def _may_start_next(self, step: int) -> bool:
+        """Whether step ``step + 1``'s update may be submitted at the end of step ``step``: its
+        batch is generated ahead (so it is not waiting for this step's weights), the actor
+        keeps the devices (not time-shared), and nothing after this step reads the actor's
+        state before the next update would change it (a checkpoint)."""
+        return (
+            self.ahead.max_staleness > 0 and not self.time_shared and step < self.config.trainer.num_steps
+            and not self._save_due(step)
+        )  # fmt: skip
+
+    def _start_next(self, step: int) -> None:
+        """Submit step ``step + 1``'s update now when allowed and its batch is ready."""
+        if not (self._may_start_next(step) and self.ahead.ready(step + 1)):
+            return
+        try:
+            self._next = self._start(step + 1)
+        except Exception as exc:  # noqa: BLE001  (raised at its own step, after this one is logged)
+            self._next = exc
+
+    def train_one_step(self, step: int) -> dict[str, float]:
+        r = self.parts
+        start = time.perf_counter()
+        ahead = self.ahead  # set up by run()
+        started, self._next = self._next, None
+        if isinstance(started, BaseException):  # raised while starting this step early: now it is its turn
+            raise started
+        if started is None:
+            started = self._start(step)
+        assert started.step == step, (started.step, step)
+        exp, metrics, timings = started.exp, started.metrics, started.timings
+        try:
+            if started.error is not None:
+                raise started.error
+            metrics.update(r.actors.finish_update(started.pending))
+            # From the submission (the step before's end, when started early) to the result.
+            timings["update"] = time.perf_counter() - started.submitted_at
         except (NonFiniteStepsError, AllRewardsFailedError) as e:  # the step that stops the run is logged
             r.sink.log(step, {**metrics, "actor/step_skipped": 1.0, **getattr(e, "metrics", {})})
             raise
@@ -155,6 +222,9 @@ class Trainer:
         with ahead.paused() as waited:  # the pool finishes the generation in flight first
             with timed(timings, "weight_sync"):  # into sleeping engines: only their weights wake
                 metrics.update(self.sync_weights(version=step))
+            # Before the generation resumes: the driver's thread is not sharing the
+            # interpreter with an engine in the driver's process.
+            self._start_next(step)
         ahead.synced(step)
         if ahead.max_staleness:
             timings["actor_wait_rollout"] += waited

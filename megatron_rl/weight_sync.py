@@ -7,7 +7,9 @@ Every sync, whatever the transport (``rollout.weight_transport``, resolved by
    dtype) and opens its update (``RolloutPool.begin_update``); a refusal names the
    engine and the version, and nothing has moved;
 2. the tensors move: through the object store (rank 0 streams buckets, the pool loads
-   them: ``RolloutPool.sync``), or through a transfer group of actor rank 0 and every
+   them: ``RolloutPool.sync``), through a host shared-memory file (rank 0 writes it,
+   the pool hands its descriptor to the engines as their one bucket:
+   ``weight_transfer.shm``), or through a transfer group of actor rank 0 and every
    engine worker (``ActorGroup.send_weights``: ``gloo`` on host memory, vLLM's ``nccl``
    between GPUs, vLLM's ``ipc`` for colocated GPUs);
 3. every engine commits the version (``RolloutPool.commit_update``).
@@ -34,7 +36,9 @@ __all__ = ["WeightSync", "WeightSyncError", "resolve_transport"]
 
 logger = logging.getLogger(__name__)
 
-_BACKEND = {"object_store": "object_store", "cuda_ipc": "ipc"}
+# How the engines receive: buckets for both host transports (a shared-memory descriptor
+# is loaded as a bucket), a transfer group otherwise.
+_BACKEND = {"object_store": "object_store", "shared_memory": "object_store", "cuda_ipc": "ipc"}
 
 
 class WeightSyncError(RuntimeError):
@@ -54,7 +58,7 @@ def resolve_transport(rollout: RolloutConfig, *, cuda: bool) -> tuple[str, str]:
     cls = engine_class(rollout.engine)
     if transport == "auto":
         if not cuda:
-            transport = "object_store"
+            transport = "shared_memory"  # WeightSync falls back to object_store across nodes
         elif colocated and "ipc" in cls.weight_backends:
             transport = "cuda_ipc"
         else:
@@ -104,9 +108,13 @@ class WeightSync:
         self.fp8 = rollout.weight_dtype == "fp8"  # projection weights as block-wise FP8 (weight_transfer.fp8)
         self.metas: list[TensorMeta] = actors.weight_metadata(self.dtype, fp8=self.fp8)
         self._group_key: tuple | None = None
+        self._prepared: tuple[int, list[Any]] | None = None  # (version, the actor's pending write)
+        if transport == "shared_memory":
+            self.transport = self._shared_memory_or_fallback()
         # Collective transports keep no host copy: a restarted engine is restored from the
-        # actor. The object store restores from the pool's kept buckets (no restorer).
-        pool.restorer = self.restore if transport != "object_store" else None
+        # actor. The host transports restore from the pool's kept buckets (no restorer):
+        # the shared file holds the pool's version between syncs.
+        pool.restorer = self.restore if self.transport not in ("object_store", "shared_memory") else None
 
     def run(self, version: int) -> dict[str, float]:
         """Sync ``version`` into every live engine (retried once after repairing the engines)."""
@@ -142,8 +150,54 @@ class WeightSync:
                 self.bucket_bytes, dtype=self.dtype, max_buffered=self.rollout.pool.max_inflight_buckets, fp8=self.fp8
             )  # fmt: skip
             return self.pool.sync(buckets, version=version, metas=self.metas)
+        if self.transport == "shared_memory":
+            prepared, self._prepared = self._prepared, None
+            if prepared is not None and prepared[0] == version:
+                shared = self.actors.finish_send_weights(prepared[1])
+            else:
+                self._open_shared_file()
+                shared = self.actors.send_weights()  # rank 0 wrote the file: its descriptor
+            return self.pool.sync([shared], version=version, metas=self.metas)
         self._open_group()
         return self._send(version, self.pool.live_engines)
+
+    def prepare(self, version: int) -> None:
+        """Queue the actor's write of ``version`` right behind its update, just submitted
+        (``shared_memory`` only; nothing otherwise): the actor writes as soon as it has
+        updated instead of a round trip of the driver later, into the slot the engines are
+        not reading (``weight_transfer.shm``); :meth:`run` of ``version`` takes the result."""
+        if self.transport == "shared_memory":
+            self._open_shared_file()
+            self._prepared = (version, self.actors.submit_send_weights())
+
+    def _open_shared_file(self) -> None:
+        """Rank 0 creates the shared file (again after a repair: a fresh file)."""
+        if self._group_key is None:
+            self.actors.open_weight_sender("shm", None, {}, dtype=self.dtype, bucket_bytes=self.bucket_bytes,
+                                           fp8=self.fp8)  # fmt: skip
+            self._group_key = ("shm",)
+
+    def _shared_memory_or_fallback(self) -> str:
+        """``shared_memory`` when actor rank 0 and every engine share a node and rank 0 can
+        create the file; with ``auto`` otherwise ``object_store`` (logged), as set a
+        ``ConfigError`` naming why."""
+        chosen = self.rollout.weight_transport == "shared_memory"
+        actor_node = self.actors.node_ids()[0]
+        elsewhere = sorted({n for n in self.pool.node_ids() if n is not None and n != actor_node})
+        reason = None
+        if elsewhere:
+            reason = f"engines run on node(s) {elsewhere}, not on actor rank 0's node {actor_node}"
+        else:
+            try:
+                self._open_shared_file()
+            except Exception as exc:  # OSError inside the actor: no /dev/shm, or too small
+                reason = f"actor rank 0 cannot create the shared file: {getattr(exc, 'cause', None) or exc}"
+        if reason is None:
+            return "shared_memory"
+        if chosen:
+            raise ConfigError("rollout.weight_transport", f"shared_memory: {reason}")
+        logger.info("weight transport: object_store (shared_memory needs one node and room in /dev/shm; %s)", reason)
+        return "object_store"
 
     def _send(self, version: int, engines: list[int]) -> dict[str, float]:
         targets = self.pool.begin_update(version, self.metas, engines=engines)

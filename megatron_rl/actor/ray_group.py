@@ -200,12 +200,13 @@ class ActorWorker:
         source = self._weight_source(dtype, bucket_bytes, fp8)
         self.sender = open_sender(source, rank=self.rank, backend=backend, client=client, init=init)
 
-    def send_weights(self) -> None:
-        """One version through the open transfer group (collective on every rank)."""
+    def send_weights(self) -> Any:
+        """One version through the open transfer group (collective on every rank); the
+        sender's result (the ``shm`` backend: rank 0's file descriptor)."""
         if self.sender is None:
             raise RuntimeError("send_weights() before open_weight_sender()")
         self.transitions.append((time.time(), "sync"))
-        self.sender.send_weights()
+        return self.sender.send_weights()
 
     def close_weight_sender(self) -> None:
         sender, self.sender = getattr(self, "sender", None), None
@@ -285,7 +286,19 @@ class ActorGroup:
 
         Raises :class:`NonFiniteStepsError` once ``trainer.max_consecutive_nonfinite_steps``
         steps in a row had a skipped (non-finite) update."""
-        metrics = self._all("update_policy", self._shared(batch), step, token_stats)
+        return self.finish_update(self.submit_update(batch, step, token_stats=token_stats))
+
+    def submit_update(self, batch: ActorBatch, step: int, *, token_stats: bool = False) -> list[Any]:
+        """Start :meth:`update_policy` on every rank and return at once (its pending results:
+        pass them to :meth:`finish_update`). Each rank runs its calls in submission order, so
+        anything submitted later (a weight sync, a checkpoint) sees the updated weights."""
+        self.wait_ready()
+        shared = self._shared(batch)
+        return [w.update_policy.remote(shared, step, token_stats) for w in self.workers]
+
+    def finish_update(self, pending: list[Any]) -> dict[str, float]:
+        """Wait for a :meth:`submit_update`; its metrics (see :meth:`update_policy`)."""
+        metrics = ray.get(pending)[0]
         limit = self.spec.trainer.max_consecutive_nonfinite_steps
         self.consecutive_nonfinite = self.consecutive_nonfinite + 1 if metrics["actor/step_skipped"] else 0
         if self.consecutive_nonfinite >= limit:
@@ -363,9 +376,19 @@ class ActorGroup:
         """Every rank builds its sender; rank 0 joins the engines behind ``client``."""
         self._all("open_weight_sender", backend, client, init, dtype, bucket_bytes, fp8)
 
-    def send_weights(self) -> None:
-        """One version through the open transfer group."""
-        self._all("send_weights")
+    def send_weights(self) -> Any:
+        """One version through the open transfer group; rank 0's sender's result."""
+        return self.finish_send_weights(self.submit_send_weights())
+
+    def submit_send_weights(self) -> list[Any]:
+        """:meth:`send_weights` queued on every rank behind what was submitted before (an
+        update); returns at once, with the pending results."""
+        self.wait_ready()
+        return [w.send_weights.remote() for w in self.workers]
+
+    def finish_send_weights(self, pending: list[Any]) -> Any:
+        """Wait for a :meth:`submit_send_weights`; rank 0's result."""
+        return ray.get(pending)[0]
 
     def close_weight_sender(self) -> None:
         self._all("close_weight_sender")

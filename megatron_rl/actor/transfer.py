@@ -6,10 +6,14 @@ collectives); rank 0 alone sends. Which sender depends on the transfer backend o
 
 - ``gloo``: :class:`~megatron_rl.weight_transfer.gloo.GlooSender` (host memory; CPU
   machines, and any engine that takes host tensors);
-- ``nccl`` / ``ipc``: vLLM's own trainer engines (``weight_transfer.vllm_backend``).
+- ``nccl`` / ``ipc``: vLLM's own trainer engines (``weight_transfer.vllm_backend``);
+- ``shm``: :class:`SharedMemorySender` (``rollout.weight_transport: shared_memory``):
+  rank 0 writes the version into a host shared-memory file
+  (:mod:`~megatron_rl.weight_transfer.shm`) and returns its descriptor, which the pool
+  hands to the engines in place of an object-store bucket.
 
-Both are driven the same way: ``trainer_init`` once per transfer group, then
-``send_weights()`` once per version, through the pool's ``EngineGroupClient``.
+All are driven the same way: opened once per transfer group (the first two join the
+pool's ``EngineGroupClient``), then ``send_weights()`` once per version.
 """
 
 from __future__ import annotations
@@ -21,8 +25,30 @@ from megatron_rl.actor.weights import HFWeightSource
 from megatron_rl.models.hf_io import SafetensorsShardWriter, TensorSpec
 from megatron_rl.weight_transfer.gloo import GlooInitInfo, GlooSender
 from megatron_rl.weight_transfer.meta import dtype_of
+from megatron_rl.weight_transfer.shm import SharedBucket, SharedWeightsWriter
 
-__all__ = ["open_sender", "write_hf_weights"]
+__all__ = ["SharedMemorySender", "open_sender", "write_hf_weights"]
+
+
+class SharedMemorySender:
+    """The ``shm`` backend's sender: rank 0 owns the shared file (created here, laid out
+    by the source's metadata); every rank iterates the source in lockstep."""
+
+    def __init__(self, source: HFWeightSource, *, is_writer: bool):
+        self.source = source
+        self.writer = SharedWeightsWriter(source.metadata()) if is_writer else None
+
+    def send_weights(self) -> SharedBucket | None:
+        """Write the current weights; rank 0 returns the file's descriptor, others ``None``."""
+        if self.writer is None:
+            for _ in self.source:  # the TP/PP gathers are collectives
+                pass
+            return None
+        return self.writer.write(self.source)
+
+    def shutdown(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
 
 
 def open_sender(source: HFWeightSource, *, rank: int, backend: str, client: Any, init: dict[str, Any]) -> Any:
@@ -30,12 +56,14 @@ def open_sender(source: HFWeightSource, *, rank: int, backend: str, client: Any,
     transfer group (rank 0 hosts the rendezvous; other ranks only keep the source)."""
     if backend == "gloo":
         return GlooSender.trainer_init(GlooInitInfo(**init), client=client, source=source, is_sender=rank == 0)
+    if backend == "shm":
+        return SharedMemorySender(source, is_writer=rank == 0)
     if backend in ("nccl", "ipc"):
         from megatron_rl.weight_transfer.vllm_backend import open_sender as open_vllm_sender
 
         fields = {k: init[k] for k in ("master_address", "master_port", "world_size") if backend == "nccl"}
         return open_vllm_sender(backend, client=client, source=source, rank=rank, **fields)
-    raise ValueError(f"weight-transfer backend {backend!r}: expected gloo, nccl or ipc")
+    raise ValueError(f"weight-transfer backend {backend!r}: expected gloo, nccl, ipc or shm")
 
 
 def write_hf_weights(source: HFWeightSource, directory: Path, *, rank: int, max_shard_bytes: int = 4 << 30) -> None:

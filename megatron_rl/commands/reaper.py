@@ -12,7 +12,10 @@ What it reaps is what the driver started: with a local ``ray.init`` that is Ray 
 (GCS, raylet, workers, agents; Ray's agents otherwise linger for a minute or more); a
 Ray cluster the driver only joins (``RAY_ADDRESS``, Slurm) is not the driver's, and Ray
 ends the job's actors there. The reward workers also die with their parent on their own
-(``rewards/pool.py``); this is the net under everything else.
+(``rewards/pool.py``); this is the net under everything else. Files a reaped process left
+in ``/dev/shm`` are removed too: the run's processes name theirs
+``megatron_rl_<kind>_<pid>_<suffix>`` (the ``shared_memory`` weight transport's file,
+``weight_transfer/shm.py``).
 
 Linux only (it reads ``/proc``); elsewhere :func:`start` starts nothing.
 """
@@ -26,9 +29,10 @@ import sys
 import time
 from pathlib import Path
 
-__all__ = ["descendants", "process_start_time", "start"]
+__all__ = ["descendants", "leftover_shm_files", "process_start_time", "start"]
 
 _PROC = Path("/proc")
+_SHM = Path("/dev/shm")
 _POLL_S = 1.0
 _GRACE_S = 1.0
 
@@ -85,6 +89,18 @@ def _signal_all(processes: dict[int, int], sig: int) -> int:
     return sent
 
 
+def leftover_shm_files(pids: set[int], directory: Path = _SHM) -> list[Path]:
+    """The files ``megatron_rl_<kind>_<pid>_<suffix>`` in ``directory`` of processes ``pids``."""
+    if not directory.is_dir():
+        return []
+    found = []
+    for path in directory.glob("megatron_rl_*_*_*"):
+        owner = path.name.rsplit("_", 2)[-2]
+        if owner.isdigit() and int(owner) in pids:
+            found.append(path)
+    return found
+
+
 def watch(driver: int, driver_start: int) -> None:
     """Record ``driver``'s descendants until it exits, then end them (see the module doc)."""
     me = os.getpid()
@@ -101,6 +117,8 @@ def watch(driver: int, driver_start: int) -> None:
         while time.monotonic() < deadline and any(process_start_time(p) == s for p, s in seen.items()):
             time.sleep(0.05)
         _signal_all(seen, signal.SIGKILL)
+    for path in leftover_shm_files({driver, *seen}):
+        path.unlink(missing_ok=True)
 
 
 def start(pid: int | None = None) -> subprocess.Popen | None:

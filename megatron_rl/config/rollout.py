@@ -97,9 +97,10 @@ class RolloutConfig(SamplingSettings):
     pool's dispatch, restarts and every weight transport); ``driver``, one engine inside
     the driver's process, TRL's one-process layout for small CPU runs: no process of its
     own with a second copy of torch, transformers and the Ray worker (about 0.3 GB on the
-    CPU benchmark), weights through the object store, generation in the driver's
-    background thread when ``max_staleness >= 1``. Needs ``num_engines: 1``, no GPUs and
-    the ``pool`` recovery settings at their defaults: an engine failure there stops the run."""
+    CPU benchmark), weights through the object store or shared memory, generation in the
+    driver's background thread when ``max_staleness >= 1``. Needs ``num_engines: 1``, no
+    GPUs and the ``pool`` recovery settings at their defaults: an engine failure there
+    stops the run."""
 
     tensor_parallel_size: int = 1
     """GPUs of one engine (its tensor parallelism; ``vllm`` gets it as
@@ -115,12 +116,16 @@ class RolloutConfig(SamplingSettings):
     ``num_engines * tensor_parallel_size``, which a value must equal (a check of the
     cluster reservation you intend)."""
 
-    weight_transport: Literal["auto", "object_store", "collective", "cuda_ipc"] = "auto"
+    weight_transport: Literal["auto", "object_store", "shared_memory", "collective", "cuda_ipc"] = "auto"
     """How weights reach the engines: ``object_store`` (rank 0's buckets through Ray's
-    shared-memory store), ``collective`` (a broadcast group of actor rank 0 and every
-    engine worker: NCCL between GPUs, gloo on CPU), ``cuda_ipc`` (colocated GPU engines
-    map the actor's buckets). ``auto``: ``cuda_ipc`` colocated on GPUs, ``collective``
-    disaggregated, ``object_store`` on CPU."""
+    shared-memory store), ``shared_memory`` (rank 0 writes a file in ``/dev/shm`` that
+    every engine maps: no serialisation and no object-store round trip; the engines must
+    share actor rank 0's node, and ``/dev/shm`` must hold the weights once), ``collective``
+    (a broadcast group of actor rank 0 and every engine worker: NCCL between GPUs, gloo on
+    CPU), ``cuda_ipc`` (colocated GPU engines map the actor's buckets). ``auto``:
+    ``cuda_ipc`` colocated on GPUs, ``collective`` disaggregated; on CPU ``shared_memory``
+    when the engines share actor rank 0's node and ``/dev/shm`` has room, else
+    ``object_store`` (the run's log says which)."""
 
     weight_dtype: Literal["auto", "fp8"] = "auto"
     """Dtype of the weights sent to the engines: ``auto`` is the engines' own; ``fp8``
@@ -203,9 +208,9 @@ class RolloutConfig(SamplingSettings):
             raise ConfigError("num_engines", f"{self.num_engines}: engine_process: driver runs one engine")
         if self.tensor_parallel_size != 1:
             raise ConfigError("tensor_parallel_size", "engine_process: driver runs on CPU (use 1)")
-        if self.weight_transport not in ("auto", "object_store"):
+        if self.weight_transport not in ("auto", "object_store", "shared_memory"):
             raise ConfigError("weight_transport", f"{self.weight_transport!r}: an engine in the driver's process "
-                              "receives weights through the object store (use auto or object_store)")  # fmt: skip
+                              "loads weight buckets (use auto, object_store or shared_memory)")  # fmt: skip
         if self.engine == "vllm":
             raise ConfigError("engine", "vllm runs its own engine-core processes; engine_process: driver takes "
                               "'hf' or a user engine")  # fmt: skip

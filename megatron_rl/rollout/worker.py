@@ -21,6 +21,7 @@ import torch
 from megatron_rl.rollout.base import Completion, RolloutEngine, SamplingParams
 from megatron_rl.weight_buckets import WeightBucket
 from megatron_rl.weight_transfer.meta import TensorMeta
+from megatron_rl.weight_transfer.shm import SharedBucket
 
 __all__ = ["BUILTIN_ENGINES", "EngineWorker", "build_engine", "engine_class"]
 
@@ -101,7 +102,11 @@ class EngineWorker:
         self.transitions.append((time.time(), "sync"))
         self.engine.begin_weight_update(version, metas)
 
-    def load_bucket(self, bucket: WeightBucket) -> dict[str, int]:
+    def load_bucket(self, bucket: WeightBucket | SharedBucket) -> dict[str, int]:
+        """One bucket into the open update; a :class:`SharedBucket` (``rollout.weight_transport:
+        shared_memory``) is read from this process's mapping of the actor's shared file."""
+        if isinstance(bucket, SharedBucket):
+            bucket = WeightBucket(entries=list(bucket.entries), arrays=bucket.arrays())
         return self.engine.load_bucket(bucket)
 
     def init_weight_transfer(self, init_info: dict[str, Any]) -> None:

@@ -7,6 +7,8 @@ by a transport, then committed (the engines report the new version). Transports 
 by name only (``rollout.weight_transport``):
 
 - ``object_store``: rank 0's buckets through Ray's object store (``megatron_rl.weight_buckets``);
+- ``shared_memory``: rank 0 writes a host shared-memory file that engines on its node map
+  and load like a bucket (:mod:`.shm`);
 - ``collective``: a broadcast group spanning actor rank 0 and every engine worker:
   vLLM's ``nccl`` backend on GPUs, the ``gloo`` backend (:mod:`.gloo`) on host memory;
 - ``cuda_ipc``: vLLM's ``ipc`` backend (colocated GPUs).

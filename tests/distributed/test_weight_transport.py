@@ -1,8 +1,9 @@
-"""Both weight transports of the run's sync path (``weight_sync.WeightSync``) from actor
-layouts TP1/PP1, TP2 and PP2 into a pool of 2 built-in engines: after each sync every
-engine's weights are bit-identical to the actor's gathered HF weights (SHA-256 per
-tensor). An engine that dies mid-sync is restarted and the sync retried: the pool ends
-consistent (every engine on the new version, bit-identical), never half-updated."""
+"""The host weight transports of the run's sync path (``weight_sync.WeightSync``: object
+store, shared memory, gloo collective) from actor layouts TP1/PP1, TP2 and PP2 into a
+pool of 2 built-in engines: after each sync every engine's weights are bit-identical to
+the actor's gathered HF weights (SHA-256 per tensor). An engine that dies mid-sync is
+restarted and the sync retried: the pool ends consistent (every engine on the new
+version, bit-identical), never half-updated."""
 
 import hashlib
 
@@ -23,7 +24,8 @@ from tests.helpers.rollout_models import ACTOR_HF_CONFIG as HF_CONFIG  # noqa: E
 from tests.helpers.rollout_models import save_actor_hf  # noqa: E402
 
 LAYOUTS = {"tp1": (1, 1), "tp2": (2, 1), "pp2": (1, 2)}
-TRANSPORTS = {"object_store": "object_store", "collective": "gloo"}
+TRANSPORTS = {"object_store": "object_store", "shared_memory": "object_store", "collective": "gloo"}
+BUCKETS = ("object_store", "shared_memory")  # the pool keeps what it loaded: it restores a dead engine itself
 
 
 def _digests(state):
@@ -79,7 +81,7 @@ def _sync(actors, pool, transport):
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_both_transports_give_every_engine_the_actor_weights_bit_for_bit(env, layout):
+def test_every_transport_gives_every_engine_the_actor_weights_bit_for_bit(env, layout):
     pool, reset, _, state = env
     actors = _actors(*LAYOUTS[layout])
     try:
@@ -94,6 +96,7 @@ def test_both_transports_give_every_engine_the_actor_weights_bit_for_bit(env, la
             finally:
                 sync.close()
             assert stats["weight_sync/retries"] == 0 and stats["weight_sync/num_engines"] == 2
+            assert sync.transport == transport
             assert _engine_digests(pool) == [want, want], (layout, transport)
             assert all(h["ok"] and h["weight_version"] == state["version"] for h in pool.health())
     finally:
@@ -116,13 +119,14 @@ def test_engine_killed_mid_sync_leaves_the_pool_consistent(env, transport):
         finally:
             sync.close()
         assert not arm.exists()
-        # object store: the pool restores the dead engine from the sync's buckets itself;
-        # collective: the group is broken, so WeightSync restarts, rebuilds and retries once
-        assert stats["weight_sync/retries"] == (0 if transport == "object_store" else 1)
+        # object store, shared memory: the pool restores the dead engine from the sync's
+        # buckets (the shared file's descriptor) itself; collective: the group is broken, so
+        # WeightSync restarts, rebuilds and retries once
+        assert stats["weight_sync/retries"] == (0 if transport in BUCKETS else 1)
         after = {h["engine"]: h["pid"] for h in pool.health()}
         restarted = {e for e in before if after[e] != before[e]}
         # the killed engine, and with a collective also any engine that had received part of it
-        assert len(restarted) == 1 if transport == "object_store" else len(restarted) >= 1, restarted
+        assert len(restarted) == 1 if transport in BUCKETS else len(restarted) >= 1, restarted
         assert _engine_digests(pool) == [want, want]
         assert all(h["ok"] and h["weight_version"] == state["version"] for h in pool.health())
     finally:

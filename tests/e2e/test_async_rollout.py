@@ -4,6 +4,9 @@
   every later step trains on responses exactly one version old, and the data cursor
   advances by one batch per step (no prompt skipped or repeated);
 * both sides' waiting is measured (``timing_s/actor_wait_rollout``, ``timing_s/rollout_wait_actor``);
+* submitting the next step's update before this step is logged (``Trainer._start_next``)
+  and the shared-memory weight transport change no number: the run equals one that
+  submits each update at its own step and syncs through the object store, step for step;
 * kill -9 while a batch is generated ahead, then resume: each step is logged once and
   trains the prompts the uninterrupted run trains at that step (the batches that were
   queued or in flight are drawn again), with no response older than one version.
@@ -47,6 +50,36 @@ def test_one_step_off_trains_on_one_version_old_responses(tmp_path, ray_session)
         assert r["data/position"] == sync[step]["data/position"]  # the same prompts at each step
         assert "timing_s/actor_wait_rollout" not in sync[step] and sync[step]["rollout/staleness/max"] == 0.0
     assert "eval/accuracy/mean" in ahead[3]
+
+
+def test_early_update_start_and_shared_memory_change_no_number(tmp_path, ray_session, monkeypatch):
+    started_early = []
+    start_next = Trainer._start_next
+
+    def spy(self, step):
+        start_next(self, step)
+        started_early.append(self._next.step if self._next is not None else None)
+
+    monkeypatch.setattr(Trainer, "_start_next", spy)
+    trainer = Trainer(tiny_config(tmp_path / "early", *STEPS, *ASYNC, "parallel.cpu_threads=1"))
+    try:
+        assert trainer.parts.weight_sync.transport == "shared_memory"  # auto, on one CPU node
+        trainer.run()
+    finally:
+        trainer.close()
+    early = {r["step"]: r for r in read_metrics(trainer.config.run_dir)}
+    # Steps 2 and 4 save a checkpoint (the next update waits for it) and step 5 is the last;
+    # steps 1 and 3 start the next update once its batch is generated (it is, unless the
+    # generation thread had not even begun it when the step synced).
+    assert started_early[1::2] == [None, None] and started_early[4] is None
+    assert {2, 4} & set(started_early)
+    monkeypatch.setattr(Trainer, "_may_start_next", lambda self, step: False)
+    plain = _run(tmp_path / "plain", *ASYNC, "parallel.cpu_threads=1", "rollout.weight_transport=object_store")
+    assert sorted(early) == sorted(plain) == [1, 2, 3, 4, 5]
+    for step in early:
+        for key in (*COMPARED, "data/position", "rollout/weight_version/min"):
+            assert early[step][key] == plain[step][key], (step, key)
+    assert early[3]["eval/accuracy/mean"] == plain[3]["eval/accuracy/mean"]  # evaluated while step 4 trained
 
 
 def test_kill9_with_a_batch_generated_ahead_then_resume(tmp_path):

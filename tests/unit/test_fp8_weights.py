@@ -119,6 +119,6 @@ def test_fp8_needs_an_engine_that_reads_it():
     from megatron_rl.config import RolloutConfig
     from megatron_rl.weight_sync import resolve_transport
 
-    assert resolve_transport(RolloutConfig(weight_dtype="fp8"), cuda=False) == ("object_store", "object_store")
+    assert resolve_transport(RolloutConfig(weight_dtype="fp8"), cuda=False) == ("shared_memory", "object_store")
     with pytest.raises(ConfigError, match="rollout.weight_dtype"):
         resolve_transport(RolloutConfig(engine="vllm", weight_dtype="fp8"), cuda=False)

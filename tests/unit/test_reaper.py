@@ -1,6 +1,7 @@
 """The reaper (``megatron_rl/commands/reaper.py``): once a driver dies by SIGKILL, the
 processes it started (children and grandchildren, even ones ignoring SIGTERM) die within
-seconds; a process that merely reuses a recorded PID is never touched."""
+seconds, and the ``/dev/shm`` files they named after themselves are removed; a process
+that merely reuses a recorded PID is never touched."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -27,6 +29,8 @@ stubborn = "import signal, subprocess, sys, time; signal.signal(signal.SIGTERM, 
            "print(g.pid, flush=True); time.sleep(300)"
 child = subprocess.Popen([sys.executable, "-c", stubborn], stdout=subprocess.PIPE, text=True)
 grandchild = int(child.stdout.readline())
+if os.path.isdir("/dev/shm"):  # a file the reaper removes (the shared-memory weight transport's kind)
+    open(f"/dev/shm/megatron_rl_test_{child.pid}_{os.getpid()}", "w").close()
 print(os.getpid(), child.pid, grandchild, flush=True)
 time.sleep(300)
 """
@@ -47,6 +51,19 @@ def test_a_killed_drivers_processes_die_within_seconds():
         time.sleep(0.1)
     alive = [p for p, s in started.items() if reaper.process_start_time(p) == s]
     assert not alive, f"still alive 10 s after the driver was killed: {alive}"
+    left = Path(f"/dev/shm/megatron_rl_test_{pids[1]}_{pids[0]}")
+    while time.monotonic() < deadline and left.exists():
+        time.sleep(0.1)
+    assert not left.exists()
+
+
+def test_leftover_shm_files_are_those_named_after_the_given_processes(tmp_path):
+    for name in ("megatron_rl_weights_123_ab12", "megatron_rl_weights_1234_ab12", "megatron_rl_x_123_y",
+                 "other_123_ab", "megatron_rl_weights_abc_123"):  # fmt: skip
+        (tmp_path / name).touch()
+    found = sorted(p.name for p in reaper.leftover_shm_files({123}, tmp_path))
+    assert found == ["megatron_rl_weights_123_ab12", "megatron_rl_x_123_y"]
+    assert reaper.leftover_shm_files({123}, tmp_path / "missing") == []
 
 
 def test_descendants_follow_the_parent_links():
