@@ -25,7 +25,7 @@ hidden ``[*S, H]``, lm-head weight ``[V_local, H]``.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import torch
@@ -549,18 +549,63 @@ def fused_linear_policy_loss(
     upstream gradient (call ``backward`` on ``loss_sum`` itself and divide by the global
     count afterwards, as megatron's ``calculate_per_token_loss`` does); the weight then
     gets no ``.grad`` from this op. Saves a weight-sized temporary.
+
+    With gradients on host tensors, only the tokens of ``inputs.mask`` go through the
+    lm-head (the rest, prompt and padding, have no loss and a zero gradient): their rows
+    are selected first and the statistics scattered back, zeros elsewhere (``SoftmaxStats``).
+    On CUDA the selection would cost a host sync per call, so every row is computed there.
     """
-    options = _linear_options(options or VocabParallelOptions(), hidden, weight)
     _check_shapes(hidden.shape[:-1], inputs)
     if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
         raise ValueError(f"weight must be [V_local, {hidden.shape[-1]}], got {tuple(weight.shape)}")
-    holder: dict[str, Any] = {}
     if weight_main_grad is not None and weight_main_grad.shape != weight.shape:
         raise ValueError(f"weight_main_grad shape {tuple(weight_main_grad.shape)} != weight {tuple(weight.shape)}")
+    num_tokens = inputs.mask.numel()
+    rows = _loss_rows(hidden, weight, inputs)
+    if rows is not None:
+        hidden = hidden.reshape(num_tokens, -1).index_select(0, rows)  # its backward scatters dL/dh back
+        inputs = _select_tokens(inputs, rows)
+    options = _linear_options(options or VocabParallelOptions(), hidden, weight)
+    holder: dict[str, Any] = {}
     loss_sum = _FusedLinearPolicyLoss.apply(hidden, weight, inputs, config, options, holder, weight_main_grad)
     out: LossOutput = holder["output"]
     out.loss_sum = loss_sum
-    return out, holder["stats"]
+    stats: SoftmaxStats = holder["stats"]
+    if rows is not None:
+        stats = SoftmaxStats(**{f.name: _scatter_rows(getattr(stats, f.name), rows, num_tokens) for f in fields(stats)})
+    return out, stats
+
+
+def _loss_rows(hidden: torch.Tensor, weight: torch.Tensor, inputs: LossInputs) -> torch.Tensor | None:
+    """The flat indices of the loss's tokens when selecting them pays: a training call
+    (gradients) on host tensors with some, but not all, tokens masked out; else ``None``."""
+    if hidden.is_cuda or not (hidden.requires_grad or weight.requires_grad) or not torch.is_grad_enabled():
+        return None
+    rows = inputs.mask.reshape(-1).nonzero().squeeze(1)
+    return rows if 0 < rows.numel() < inputs.mask.numel() else None
+
+
+def _select_tokens(inputs: LossInputs, rows: torch.Tensor) -> LossInputs:
+    """``inputs`` with every per-token tensor reduced to the flat ``rows`` (``[T_sel]``).
+    Sequence ids come along (made first when absent: one sequence per row of the last
+    dimension, ``compute_policy_loss``'s default), so the seq-mean modes still see sequences."""
+    mask = inputs.mask
+    if inputs.seq_index is None:
+        per_seq = max(mask.shape[-1] if mask.dim() else 1, 1)
+        inputs = replace(inputs, seq_index=(torch.arange(mask.numel(), device=mask.device) // per_seq).reshape(mask.shape))
+    picked = {}
+    for f in fields(inputs):
+        value = getattr(inputs, f.name)
+        if isinstance(value, torch.Tensor):  # every tensor field is per token ([*S])
+            picked[f.name] = value.reshape(-1).index_select(0, rows)
+    return replace(inputs, **picked)
+
+
+def _scatter_rows(values: torch.Tensor | None, rows: torch.Tensor, num_tokens: int) -> torch.Tensor | None:
+    """``[T_sel]`` per-token values back at ``rows`` of a ``[T]`` zero tensor."""
+    if values is None:
+        return None
+    return values.new_zeros(num_tokens).index_copy_(0, rows, values)
 
 
 def _linear_options(options: VocabParallelOptions, hidden: torch.Tensor, weight: torch.Tensor) -> VocabParallelOptions:
