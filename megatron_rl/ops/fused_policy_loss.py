@@ -34,6 +34,7 @@ import torch.distributed as dist
 from megatron_rl.algo.config import AlgorithmConfig
 from megatron_rl.algo.mismatch import truncated_is_weights
 from megatron_rl.algo.policy_loss import LossOutput, compute_policy_loss
+from megatron_rl.ops.token_rows import loss_rows, scatter_rows, select_tokens
 from megatron_rl.ops.vocab_parallel import (
     KERNELS,
     ChunkWorkspace,
@@ -561,10 +562,10 @@ def fused_linear_policy_loss(
     if weight_main_grad is not None and weight_main_grad.shape != weight.shape:
         raise ValueError(f"weight_main_grad shape {tuple(weight_main_grad.shape)} != weight {tuple(weight.shape)}")
     num_tokens = inputs.mask.numel()
-    rows = _loss_rows(hidden, weight, inputs)
+    rows = loss_rows(hidden, weight, inputs.mask)
     if rows is not None:
         hidden = hidden.reshape(num_tokens, -1).index_select(0, rows)  # its backward scatters dL/dh back
-        inputs = _select_tokens(inputs, rows)
+        inputs = select_tokens(inputs, rows)
     options = _linear_options(options or VocabParallelOptions(), hidden, weight)
     holder: dict[str, Any] = {}
     loss_sum = _FusedLinearPolicyLoss.apply(hidden, weight, inputs, config, options, holder, weight_main_grad)
@@ -572,40 +573,8 @@ def fused_linear_policy_loss(
     out.loss_sum = loss_sum
     stats: SoftmaxStats = holder["stats"]
     if rows is not None:
-        stats = SoftmaxStats(**{f.name: _scatter_rows(getattr(stats, f.name), rows, num_tokens) for f in fields(stats)})
+        stats = SoftmaxStats(**{f.name: scatter_rows(getattr(stats, f.name), rows, num_tokens) for f in fields(stats)})
     return out, stats
-
-
-def _loss_rows(hidden: torch.Tensor, weight: torch.Tensor, inputs: LossInputs) -> torch.Tensor | None:
-    """The flat indices of the loss's tokens when selecting them pays: a training call
-    (gradients) on host tensors with some, but not all, tokens masked out; else ``None``."""
-    if hidden.is_cuda or not (hidden.requires_grad or weight.requires_grad) or not torch.is_grad_enabled():
-        return None
-    rows = inputs.mask.reshape(-1).nonzero().squeeze(1)
-    return rows if 0 < rows.numel() < inputs.mask.numel() else None
-
-
-def _select_tokens(inputs: LossInputs, rows: torch.Tensor) -> LossInputs:
-    """``inputs`` with every per-token tensor reduced to the flat ``rows`` (``[T_sel]``).
-    Sequence ids come along (made first when absent: one sequence per row of the last
-    dimension, ``compute_policy_loss``'s default), so the seq-mean modes still see sequences."""
-    mask = inputs.mask
-    if inputs.seq_index is None:
-        per_seq = max(mask.shape[-1] if mask.dim() else 1, 1)
-        inputs = replace(inputs, seq_index=(torch.arange(mask.numel(), device=mask.device) // per_seq).reshape(mask.shape))
-    picked = {}
-    for f in fields(inputs):
-        value = getattr(inputs, f.name)
-        if isinstance(value, torch.Tensor):  # every tensor field is per token ([*S])
-            picked[f.name] = value.reshape(-1).index_select(0, rows)
-    return replace(inputs, **picked)
-
-
-def _scatter_rows(values: torch.Tensor | None, rows: torch.Tensor, num_tokens: int) -> torch.Tensor | None:
-    """``[T_sel]`` per-token values back at ``rows`` of a ``[T]`` zero tensor."""
-    if values is None:
-        return None
-    return values.new_zeros(num_tokens).index_copy_(0, rows, values)
 
 
 def _linear_options(options: VocabParallelOptions, hidden: torch.Tensor, weight: torch.Tensor) -> VocabParallelOptions:
