@@ -268,9 +268,13 @@ class ActorGroup:
 
     def _all(self, method: str, *args, **kwargs) -> Any:
         """Run ``method`` on every rank (collective); rank 0's result."""
+        return ray.get(self._submit(method, *args, **kwargs))[0]
+
+    def _submit(self, method: str, *args, **kwargs) -> list[Any]:
+        """Queue ``method`` on every rank (each runs its calls in submission order); the
+        pending results, rank 0's first."""
         self.wait_ready()
-        refs = [getattr(w, method).remote(*args, **kwargs) for w in self.workers]
-        return ray.get(refs)[0]
+        return [getattr(w, method).remote(*args, **kwargs) for w in self.workers]
 
     def _shared(self, value: Any) -> Any:
         """An argument for every rank: one object-store copy for several ranks; for one rank
@@ -292,9 +296,7 @@ class ActorGroup:
         """Start :meth:`update_policy` on every rank and return at once (its pending results:
         pass them to :meth:`finish_update`). Each rank runs its calls in submission order, so
         anything submitted later (a weight sync, a checkpoint) sees the updated weights."""
-        self.wait_ready()
-        shared = self._shared(batch)
-        return [w.update_policy.remote(shared, step, token_stats) for w in self.workers]
+        return self._submit("update_policy", self._shared(batch), step, token_stats)
 
     def finish_update(self, pending: list[Any]) -> dict[str, float]:
         """Wait for a :meth:`submit_update`; its metrics (see :meth:`update_policy`)."""
@@ -383,8 +385,7 @@ class ActorGroup:
     def submit_send_weights(self) -> list[Any]:
         """:meth:`send_weights` queued on every rank behind what was submitted before (an
         update); returns at once, with the pending results."""
-        self.wait_ready()
-        return [w.send_weights.remote() for w in self.workers]
+        return self._submit("send_weights")
 
     def finish_send_weights(self, pending: list[Any]) -> Any:
         """Wait for a :meth:`submit_send_weights`; rank 0's result."""
