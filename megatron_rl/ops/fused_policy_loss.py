@@ -540,6 +540,7 @@ def fused_linear_policy_loss(
     options: VocabParallelOptions | None = None,
     *,
     weight_main_grad: torch.Tensor | None = None,
+    loss_rows_only: bool = True,
 ) -> tuple[LossOutput, SoftmaxStats]:
     """:func:`fused_policy_loss` from hidden states ``[*S, H]`` and the lm-head shard
     ``[V_local, H]``; differentiable w.r.t. both. The hidden-state gradient is summed over
@@ -551,10 +552,12 @@ def fused_linear_policy_loss(
     count afterwards, as megatron's ``calculate_per_token_loss`` does); the weight then
     gets no ``.grad`` from this op. Saves a weight-sized temporary.
 
-    With gradients on host tensors, only the tokens of ``inputs.mask`` go through the
-    lm-head (the rest, prompt and padding, have no loss and a zero gradient): their rows
-    are selected first and the statistics scattered back, zeros elsewhere (``SoftmaxStats``).
-    On CUDA the selection would cost a host sync per call, so every row is computed there.
+    With gradients, only the tokens of ``inputs.mask`` go through the lm-head (the rest,
+    prompt and padding, have no loss and a zero gradient): their rows are selected first
+    (one host read of the mask, ``ops/token_rows.py``) and the statistics scattered back,
+    zeros elsewhere (``SoftmaxStats``). ``loss_rows_only=False`` computes every row
+    instead (no host read: for CUDA graph capture, and the baseline of
+    ``benchmarks/row_select.py``).
     """
     _check_shapes(hidden.shape[:-1], inputs)
     if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
@@ -562,7 +565,7 @@ def fused_linear_policy_loss(
     if weight_main_grad is not None and weight_main_grad.shape != weight.shape:
         raise ValueError(f"weight_main_grad shape {tuple(weight_main_grad.shape)} != weight {tuple(weight.shape)}")
     num_tokens = inputs.mask.numel()
-    rows = loss_rows(hidden, weight, inputs.mask)
+    rows = loss_rows(hidden, weight, inputs.mask) if loss_rows_only else None
     if rows is not None:
         hidden = hidden.reshape(num_tokens, -1).index_select(0, rows)  # its backward scatters dL/dh back
         inputs = select_tokens(inputs, rows)

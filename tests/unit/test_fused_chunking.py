@@ -114,8 +114,8 @@ def test_no_host_sync_per_chunk(make):
     one_chunk = syncs(21)
     # Twice per call: the target-id check and which rows are masked; the loss and its
     # metrics read nothing back (no boolean-mask indexing); none per chunk. The fused
-    # lm-head's training call on host tensors reads once more: which rows have a loss
-    # (it multiplies only those; on CUDA it skips the selection and that read).
+    # lm-head's training call reads once more: which rows have a loss (it multiplies
+    # only those).
     assert len(one_chunk) <= (3 if make is _fused_linear else 2), one_chunk
     assert syncs(1) == one_chunk
     assert syncs(4) == one_chunk
@@ -307,33 +307,39 @@ class _LogitMatmulRows(TorchFunctionMode):
         return out
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("case", list(LOSS_CASES))
-def test_linear_training_multiplies_only_the_loss_tokens_with_the_same_results(case):
-    """A training call on host tensors takes only the masked-in tokens through the lm-head
-    (prompt and padding rows have no loss): one logits matmul of ``mask.sum()`` rows, and
-    the loss, both gradients and the statistics of every loss token equal the float64
-    reference of all tokens (statistics 0 elsewhere), for every loss and aggregation."""
+def test_linear_training_multiplies_only_the_loss_tokens_with_the_same_results(case, device):
+    """A training call takes only the masked-in tokens through the lm-head (prompt and
+    padding rows have no loss): one logits matmul of ``mask.sum()`` rows, and the loss,
+    both gradients and the statistics of every loss token equal the float64 reference of
+    all tokens (statistics 0 elsewhere), for every loss and aggregation, on the host and
+    on CUDA."""
     cfg = LOSS_CASES[case]
     phase = lopti_phase_for(case, cfg)
     hidden, weight, inputs, tensors = make_linear_inputs(5, 6)
     mask = inputs.mask.bool()
     assert 0 < int(mask.sum()) < mask.numel()  # some tokens are padding
     inputs = replace(inputs, phase=phase)
-    hr, wr = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    on = {k: v.to(device) for k, v in vars(inputs).items() if isinstance(v, torch.Tensor)}
+    hr, wr = hidden.to(device).requires_grad_(), weight.to(device).requires_grad_()
     with _LogitMatmulRows(37) as counter:
-        out, stats = fused_linear_policy_loss(hr, wr, inputs, cfg, VocabParallelOptions(temperature=0.9))
+        out, stats = fused_linear_policy_loss(hr, wr, replace(inputs, **on), cfg, VocabParallelOptions(temperature=0.9))
     assert counter.rows == [int(mask.sum())]
-    (out.loss_sum / out.count).backward()
+    mean = out.loss_sum / out.count
+    mean.backward()
+    mean, grad_h, grad_w = mean.detach().cpu(), hr.grad.cpu(), wr.grad.cpu()
+    stat_logp, stat_entropy, stat_lse = stats.logp.cpu(), stats.entropy.cpu(), stats.log_normalizer.cpu()
     loss, grad, logp, entropy, _ = naive_loss(hidden @ weight.t(), *tensors, cfg, temperature=0.9,
                                               phase=phase)  # fmt: skip
     tol = dict(atol=1e-10, rtol=1e-8)
     if loss.isnan():  # lopti_high_phase_den: no token in the high phase here (0 / 0; a skipped step)
-        assert (out.loss_sum / out.count).isnan()
+        assert mean.isnan()
     else:
-        torch.testing.assert_close((out.loss_sum / out.count).double(), loss, **tol)
-        torch.testing.assert_close(hr.grad, grad @ weight, **tol)
-        torch.testing.assert_close(wr.grad, grad.reshape(-1, 37).t() @ hidden.reshape(-1, 16), **tol)
+        torch.testing.assert_close(mean.double(), loss, **tol)
+        torch.testing.assert_close(grad_h, grad @ weight, **tol)
+        torch.testing.assert_close(grad_w, grad.reshape(-1, 37).t() @ hidden.reshape(-1, 16), **tol)
     flat = mask.reshape(-1)
-    torch.testing.assert_close(stats.logp[flat], logp.reshape(-1)[flat], **tol)
-    torch.testing.assert_close(stats.entropy[flat], entropy.reshape(-1)[flat], **tol)
-    assert not stats.logp[~flat].any() and not stats.log_normalizer[~flat].any()
+    torch.testing.assert_close(stat_logp[flat], logp.reshape(-1)[flat], **tol)
+    torch.testing.assert_close(stat_entropy[flat], entropy.reshape(-1)[flat], **tol)
+    assert not stat_logp[~flat].any() and not stat_lse[~flat].any()
