@@ -211,8 +211,9 @@ def plan_memory(
         shards = dp if actor.use_distributed_optimizer else 1
         c["optimizer_state"] = params * optimizer_per_param // shards
         # torch's AdamW (no TE/Apex kernels) works through float32 temporaries as large as
-        # the parameters it updates; with the distributed optimizer, its shard.
-        c["optimizer_step_temporaries"] = params * 4 // shards
+        # the parameters it updates; with the distributed optimizer, its shard. Its fused
+        # kernel (actor.optimizer_kernel) updates in place.
+        c["optimizer_step_temporaries"] = 0 if actor.optimizer_kernel == "fused" else params * 4 // shards
         layers = arch.num_layers // pp
         per_token = activation_bytes_per_token_layer(
             arch, tp=tp, sequence_parallel=parallel.sequence_parallel, seq_len=seq_len, flash=flash,

@@ -40,7 +40,7 @@ from megatron_rl.actor import cpu_shim
 from megatron_rl.actor.batch import ActorBatch, MicroBatch
 from megatron_rl.actor.collectives import device, gather_token_values, reduce_reports
 from megatron_rl.actor.launch import ProcessGroups
-from megatron_rl.actor.optimizer import build_optimizer, optimizer_step
+from megatron_rl.actor.optimizer import build_optimizer, optimizer_step, set_adam_kernel
 from megatron_rl.actor.policy import LogProbs, PolicyModel
 from megatron_rl.actor.spec import ActorSpec
 from megatron_rl.algo import (
@@ -87,6 +87,7 @@ class MegatronActor(PolicyModel):
             params_dtype=spec.model.torch_dtype,
             use_distributed_optimizer=spec.actor.use_distributed_optimizer,
             lr_decay_steps=spec.lr_decay_steps,
+            kernel=spec.actor.optimizer_kernel,
         )
         self.train_steps = 0
         """``train_step`` calls so far (skipped ones included)."""
@@ -332,6 +333,7 @@ class MegatronActor(PolicyModel):
             load_optimizer=load_optimizer,
             load_rng=load_rng,
         )
+        set_adam_kernel(self.optimizer, self.spec.actor.optimizer_kernel)  # the load restored the saved groups' options
         self.train_steps = int(record.get("train_steps", 0))
         self.optimizer_steps = int(record.get("optimizer_steps", 0))
         self.skipped_steps = int(record.get("skipped_steps", 0))

@@ -6,7 +6,9 @@
 ``OptimizerParamScheduler``. :func:`optimizer_step` is megatron's ``prepare_grads`` /
 ``get_grad_norm`` / clip / ``step_with_ready_grads`` sequence with one extra rule: if
 the global loss or the gradient norm is not finite, the update is skipped (weights, Adam
-moments and step, LR schedule untouched).
+moments and step, LR schedule untouched). :func:`set_adam_kernel` picks torch AdamW's
+implementation (``actor.optimizer_kernel``) through the options torch keeps per parameter
+group, the same way megatron asks for the fused kernel in its CPU-offload optimizer.
 """
 
 from __future__ import annotations
@@ -18,8 +20,9 @@ import torch
 
 from megatron_rl.actor import cpu_shim
 from megatron_rl.config.trainer import OptimConfig
+from megatron_rl.configlib import ConfigError
 
-__all__ = ["build_optimizer", "optimizer_step"]
+__all__ = ["build_optimizer", "optimizer_step", "set_adam_kernel", "uses_torch_adam"]
 
 
 def build_optimizer(
@@ -29,6 +32,7 @@ def build_optimizer(
     params_dtype: torch.dtype,
     use_distributed_optimizer: bool,
     lr_decay_steps: int,
+    kernel: str = "auto",
 ) -> tuple[Any, Any]:
     """``(optimizer, scheduler)`` for the megatron-DDP-wrapped model ``ddp``.
 
@@ -37,6 +41,7 @@ def build_optimizer(
         params_dtype: the model's parameter dtype (bf16 keeps float32 master weights).
         use_distributed_optimizer: shard the optimizer state over the DP group.
         lr_decay_steps: optimizer steps of the whole run (cosine/linear decay length).
+        kernel: ``actor.optimizer_kernel`` (:func:`set_adam_kernel`).
     """
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
@@ -54,8 +59,15 @@ def build_optimizer(
         params_dtype=params_dtype,
         use_distributed_optimizer=use_distributed_optimizer,
     )
+    if kernel != "auto" and not uses_torch_adam():
+        raise ConfigError(
+            "actor.optimizer_kernel",
+            f"{kernel!r} chooses torch's AdamW implementation, but megatron-core uses Transformer Engine's "
+            "or Apex's fused Adam here; use 'auto'",
+        )
     with cpu_shim.cuda_to_cpu():
         optimizer = get_megatron_optimizer(config, [ddp])
+    set_adam_kernel(optimizer, kernel)
     decay_steps = max(lr_decay_steps, optim.lr_warmup_steps + 1, 1)
     scheduler = OptimizerParamScheduler(
         optimizer,
@@ -71,6 +83,33 @@ def build_optimizer(
         wd_incr_style="constant",
     )
     return optimizer, scheduler
+
+
+def uses_torch_adam() -> bool:
+    """Whether megatron-core builds torch's AdamW (neither Transformer Engine nor Apex present)."""
+    import megatron.core.optimizer as mcore_optimizer
+
+    return bool(getattr(mcore_optimizer, "USING_PYTORCH_OPTIMIZER", False))
+
+
+def set_adam_kernel(optimizer: Any, kernel: str) -> None:
+    """Set torch AdamW's implementation in every parameter group of ``optimizer`` (megatron's,
+    possibly chained): ``fused``, ``foreach``, ``for_loop`` or ``auto`` (torch decides per
+    step from the device: both options ``None``). A no-op when megatron uses TE's or Apex's
+    Adam. Call again after ``load_state_dict``, which restores the saved groups' options."""
+    if not uses_torch_adam():
+        return
+    options = {
+        "auto": (None, None),
+        "fused": (True, False),
+        "foreach": (False, True),
+        "for_loop": (False, False),
+    }
+    fused, foreach = options[kernel]
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        for group in getattr(inner, "param_groups", []):
+            group["fused"], group["foreach"] = fused, foreach
 
 
 def optimizer_step(optimizer: Any, scheduler: Any, *, grad_clip: float | None, loss_finite: bool) -> tuple[float, bool]:

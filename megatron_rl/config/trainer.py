@@ -170,6 +170,16 @@ class ActorConfig:
     """Shard the optimizer state over the data-parallel ranks (megatron's
     DistributedOptimizer)."""
 
+    optimizer_kernel: Literal["auto", "fused", "foreach", "for_loop"] = "auto"
+    """torch's AdamW implementation, used when megatron-core falls back to torch's optimizer
+    (neither Transformer Engine nor Apex installed; with either, megatron uses their fused
+    Adam, and any value but ``auto`` is a ``ConfigError``): ``fused`` one kernel over all
+    parameters, no temporaries (CPU and CUDA; the optimizer step 8.5 -> 5.2 ms on the
+    vs-TRL benchmark's model, docs/benchmarks.md); ``foreach`` list kernels with
+    parameter-sized temporaries; ``for_loop`` one parameter at a time; ``auto`` is torch's
+    own choice (``foreach`` on CUDA, ``for_loop`` on CPU), which the memory planner's
+    measured check covers. The choice holds after a checkpoint is loaded."""
+
     checkpoint_optimizer_sharding: Literal["dp_reshardable", "fully_reshardable"] = "dp_reshardable"
     """Optimizer-state format of saved checkpoints: ``dp_reshardable`` (no gathering;
     restores at another DP size, and at another TP/PP restarts Adam with a warning) or

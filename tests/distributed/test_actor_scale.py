@@ -88,3 +88,17 @@ def test_resume_keeps_the_initial_reference(report):
     ref = report["reference"]["hf"]
     assert ref["resumed_reference_vs_initial"] == 0.0
     assert ref["resumed_actor_vs_trained"] <= TOL
+
+
+@pytest.mark.parametrize("kernel", ["for_loop", "foreach", "fused"])
+def test_optimizer_kernels_give_the_same_update_and_hold_after_a_load(report, kernel):
+    """``actor.optimizer_kernel``: torch AdamW's fused and foreach kernels update the
+    weights as the per-parameter loop does (4 steps, optimizer sharded over DP=2; float32
+    rounding), a loaded checkpoint keeps the configured kernel, and the fused kernel is the
+    one that runs."""
+    case = report["optimizer_kernel"][kernel]
+    assert case["weights_vs_for_loop"] <= TOL, case["weights_vs_for_loop"]
+    _same_metrics(case["metrics"])
+    want = {"for_loop": [False, False], "foreach": [False, True], "fused": [True, False]}[kernel]
+    assert case["groups_after_load"] and all(list(g) == want for g in case["groups_after_load"])
+    assert case["fused_op_ran"] == (kernel == "fused")

@@ -203,6 +203,36 @@ def run(spec: dict) -> dict:
             )
         reference[source] = entry
     report["reference"] = reference
+
+    # --- torch AdamW's kernels (actor.optimizer_kernel) at TP=2 x DP=2 (optimizer sharded
+    # over DP): the same update (4 steps), the choice kept in the parameter groups after a
+    # checkpoint load, and the fused kernel really running (the profiler's op names).
+    from torch.profiler import ProfilerActivity, profile
+
+    from megatron_rl.actor.optimizer import optimizer_step
+
+    kernels = {}
+    by_kernel = {k: train("qwen2_gqa", 2, 1, steps * 2, optimizer_kernel=k) for k in ("for_loop", "foreach", "fused")}
+    for kernel, r in by_kernel.items():
+        s = make_spec("qwen2_gqa", 2, 1, optimizer_kernel=kernel)
+        actor = build(MegatronActor, s)
+        actor.load_hf_weights(spec["variants"]["qwen2_gqa"]["hf_dir"])
+        actor.train_step(rl_batch(actor.compute_logprobs(base).logp))
+        directory = Path(spec["work_dir"]) / f"kernel_{kernel}" / "step_1"
+        actor.save_checkpoint(directory)
+        fresh = build(MegatronActor, s)
+        fresh.load_checkpoint(directory)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            optimizer_step(fresh.optimizer, fresh.scheduler, grad_clip=1.0, loss_finite=True)
+        inner = fresh.optimizer.chained_optimizers[0].optimizer if hasattr(fresh.optimizer, "chained_optimizers") else (
+            fresh.optimizer.optimizer)  # fmt: skip
+        kernels[kernel] = {
+            "weights_vs_for_loop": max_diff(r["weights"], by_kernel["for_loop"]["weights"]),
+            "metrics": [r["metrics"], by_kernel["for_loop"]["metrics"]],
+            "groups_after_load": [(g["fused"], g["foreach"]) for g in inner.param_groups],
+            "fused_op_ran": any("_fused_adam" in e.name for e in prof.events()),
+        }
+    report["optimizer_kernel"] = kernels
     return report
 
 

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from megatron_rl.config import ActorConfig, ModelOptions, ParallelConfig, RolloutConfig, TrainerConfig
 from megatron_rl.planner import Architecture, plan_memory, stage_parameters
 
@@ -51,3 +53,20 @@ def test_parameters_and_state_by_hand():
         actor=ActorConfig(), rollout=RolloutConfig(), with_reference=True, use_te=True,
     )  # fmt: skip
     assert resident.components["reference_policy"] == 2 * total
+    torch_adam = resident.components["optimizer_step_temporaries"]
+    assert torch_adam == 4 * total  # torch's AdamW: float32 temporaries the size of its parameters
+    fused = plan_memory(
+        arch, parallel=ParallelConfig(), model=ModelOptions(dtype="bfloat16"), trainer=TrainerConfig(),
+        actor=ActorConfig(optimizer_kernel="fused"), rollout=RolloutConfig(), with_reference=True, use_te=True,
+    )  # fmt: skip
+    assert fused.components["optimizer_step_temporaries"] == 0  # the fused kernel updates in place
+
+
+def test_an_optimizer_kernel_without_torchs_adam_is_a_config_error(monkeypatch):
+    from megatron_rl.actor import optimizer
+    from megatron_rl.configlib import ConfigError
+
+    monkeypatch.setattr(optimizer, "uses_torch_adam", lambda: False)  # as with TE or Apex installed
+    with pytest.raises(ConfigError, match="actor.optimizer_kernel"):
+        optimizer.build_optimizer(None, TrainerConfig(), params_dtype=None, use_distributed_optimizer=True,
+                                  lr_decay_steps=1, kernel="fused")  # fmt: skip
