@@ -48,13 +48,13 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from step_throughput import _data, _tokenizer  # noqa: E402  (the same prompts and tokenizer)
 
-VOCAB = 512
+VOCAB = 512  # the issue's workload (see --vocab and --target for a learnable variant)
 ARCH = dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-            intermediate_size=352, vocab_size=VOCAB, max_position_embeddings=64, tie_word_embeddings=True)  # fmt: skip
+            intermediate_size=352, max_position_embeddings=64, tie_word_embeddings=True)  # fmt: skip
 PROMPTS, SAMPLES, NEW_TOKENS, LR = 8, 4, 32, 1e-3
 
 
-def _model(directory: Path, seed: int) -> None:
+def _model(directory: Path, seed: int, vocab: int) -> None:
     """The HF model both frameworks start from (HF's init at ``seed``); both read the
     tokenizer from ``tok/`` (next to the model, ``AutoTokenizer`` would take the Qwen2
     class from its config.json and add Qwen2's special tokens)."""
@@ -62,7 +62,14 @@ def _model(directory: Path, seed: int) -> None:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(seed)
-    Qwen2ForCausalLM(Qwen2Config(**ARCH)).save_pretrained(str(directory))
+    Qwen2ForCausalLM(Qwen2Config(**ARCH, vocab_size=vocab)).save_pretrained(str(directory))
+
+
+def _fixed_target(path: Path) -> None:
+    """Rewrite the data's targets to one fixed 3-word answer (``t1 t2 t3``); prompts unchanged,
+    so every step does the same work as with the issue's targets."""
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    path.write_text("".join(json.dumps({**row, "ground_truth": "t1 t2 t3"}) + "\n" for row in rows))
 
 
 def _ours_config(work: Path, model: Path, steps: int, seed: int) -> Path:
@@ -248,6 +255,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--vocab", type=int, default=VOCAB,
+                        help="words of the tokenizer and the model's vocabulary (512: the issue's workload)")
+    parser.add_argument("--target", choices=("prompt_prefix", "fixed"), default="prompt_prefix",
+                        help="the toy_copy target: the prompt's first 3 words (the issue's workload; from a random "
+                             "init neither framework beats chance in 30-80 steps) or the same 3 words for every "
+                             "prompt (learnable: the reward curves then say whether both learn alike)")  # fmt: skip
     parser.add_argument("--trl-python", default=sys.executable, help="an interpreter that can import trl")
     parser.add_argument("--idle-load", type=float, default=0.5, help="wait for a 1-minute load average below this")
     parser.add_argument("--idle-timeout-s", type=float, default=300.0)
@@ -267,10 +280,12 @@ def main() -> None:
     runs: dict[str, list[dict]] = {"trl": [], "megatron_rl": []}
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        _tokenizer(work / "tok", VOCAB)
-        _data(work / "train.jsonl", 512, VOCAB)
+        _tokenizer(work / "tok", args.vocab)
+        _data(work / "train.jsonl", 512, args.vocab)
+        if args.target == "fixed":
+            _fixed_target(work / "train.jsonl")
         for seed in range(args.seeds):
-            _model(work / "model", seed)
+            _model(work / "model", seed, args.vocab)
             # TRL
             load = wait_idle(args.idle_load, args.idle_timeout_s)
             out = work / f"trl_seed{seed}.json"
@@ -301,7 +316,7 @@ def main() -> None:
     final = {f: [statistics.mean(r["reward"][-5:]) for r in runs[f]] for f in runs}
     first = {f: [statistics.mean(r["reward"][:5]) for r in runs[f]] for f in runs}
     summary = {
-        "bench": "vs_trl", "summary": True, "steps": args.steps, "seeds": args.seeds,
+        "bench": "vs_trl", "summary": True, "steps": args.steps, "seeds": args.seeds, "vocab": args.vocab, "target": args.target,
         "ours_overrides": args.ours_overrides,
         "cpu": cpu_model(), "cores": os.cpu_count(),
         **{f"{f}_{k}": med(f, k) for f in runs for k in ("step_s", "process_s", "pss_peak_bytes", "cpu_s_per_step",
