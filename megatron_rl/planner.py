@@ -13,19 +13,28 @@ the larger of the forward-backward's transients and the optimizer step's (never 
 together). The total is compared with the GPU memory;
 ``plan`` exits 1 when it does not fit.
 
-Activation bytes follow what megatron-core saves for backward (Korthikanti et al. 2022,
-"Reducing activation recomputation in large transformer models", adapted to SwiGLU,
-grouped-query attention and our loss):
+Activation bytes are what a layer saves for the backward pass, measured on the local
+spec (megatron's modules, attention through ``scaled_dot_product_attention``, which keeps
+no ``[s, s]`` probabilities) with saved-tensor hooks, fp32, 2026-11-26, and fitted
+exactly at three shapes (H 1024 / 512, 16 x 64 / 8 x 128 heads, F 2816 / 1408):
 
-    per token per layer:  a * [ 4H / t_sp + ((n_q + 2 n_kv) d + n_q d + 3F) / t + n_q s / t ]
+    per token per layer:  a * [ 5H / t_sp + (4 n_q d + 3 n_kv d + 5F + n_q) / t + 2d + 2 ]
 
 with ``a`` the activation bytes, ``t`` the TP size, ``t_sp = t`` with sequence
-parallelism (norm inputs/outputs sharded) else 1, and the last term the attention
-probabilities of the local spec's unfused softmax (``s`` the sequence length; none with
-Transformer Engine's flash attention, nor with selective recompute). ``full`` recompute
-keeps only each layer's input plus one recompute unit's activations. The planner is
-checked against measured peaks of real train steps on CPU
-(``tests/distributed/test_planner.py``: the plan covers the live peak, at most 25%
+parallelism (norm inputs/outputs sharded) else 1. The parts: the two norms' inputs and
+outputs and one more hidden-sized tensor (5H); the QKV projection's output, kept whole
+because the values are a view of it ((n_q + 2 n_kv) d), the rotated queries and keys
+((n_q + n_kv) d), the attention's output and its reshaped copy (2 n_q d) and its
+log-sum-exp per head (n_q); SwiGLU's input (2F), activation, product and one more
+F-sized tensor (5F); the rotary tables and norms' statistics (2d + 2). The classic
+count (Korthikanti et al. 2022: ``4H + (n_q + 2 n_kv) d + n_q d + 3F`` for this layer
+layout) is 0.6x of it. With attention dropout (an HF config's ``attention_dropout``)
+megatron's unfused attention runs and keeps the ``[s, s]`` probabilities too (``a n_q
+s / t`` more; none with Transformer Engine, nor with selective recompute). ``full``
+recompute keeps only each layer's input plus one recompute unit's activations. The
+planner is checked against measured peaks of real train steps on CPU, at the second
+step, whose forward-backward runs with Adam's moments resident as every later step's
+does (``tests/distributed/test_planner.py``: the plan covers the live peak, at most 25%
 above it).
 """
 
@@ -65,6 +74,7 @@ class Architecture:
     tie_word_embeddings: bool
     qkv_bias: bool = False
     qk_norm: bool = False
+    attention_dropout: float = 0.0
 
     @classmethod
     def of_model(cls, model: ModelConfig) -> Architecture:
@@ -88,7 +98,7 @@ class Architecture:
             hidden_size=dims.hidden_size, ffn_hidden_size=dims.ffn_hidden_size, num_layers=dims.num_layers,
             num_attention_heads=dims.num_attention_heads, num_query_groups=dims.num_query_groups,
             head_dim=dims.head_dim, vocab_size=dims.vocab_size, tie_word_embeddings=dims.tie_word_embeddings,
-            qkv_bias=dims.qkv_bias, qk_norm=dims.qk_norm,
+            qkv_bias=dims.qkv_bias, qk_norm=dims.qk_norm, attention_dropout=dims.attention_dropout,
         )  # fmt: skip
 
 
@@ -172,9 +182,10 @@ def activation_bytes_per_token_layer(
     t_sp = tp if sequence_parallel else 1
     if recompute == "full":
         return a * h / t_sp
-    linear = ((q_heads + 2 * kv_heads) * d + q_heads * d + 3 * f) / tp
-    attention = 0.0 if (flash or recompute == "selective") else q_heads * seq_len / tp
-    return a * (4 * h / t_sp + linear + attention)
+    sharded = (4 * q_heads * d + 3 * kv_heads * d + 5 * f + q_heads) / tp
+    unfused = arch.attention_dropout > 0 and not flash and recompute != "selective"
+    attention = q_heads * seq_len / tp if unfused else 0.0
+    return a * (5 * h / t_sp + sharded + 2 * d + 2 + attention)
 
 
 def plan_memory(
@@ -210,10 +221,11 @@ def plan_memory(
         optimizer_per_param = 8 + (4 if a == 2 else 0)  # Adam moments (+ float32 master weights)
         shards = dp if actor.use_distributed_optimizer else 1
         c["optimizer_state"] = params * optimizer_per_param // shards
-        # torch's AdamW (no TE/Apex kernels) works through float32 temporaries as large as
-        # the parameters it updates; with the distributed optimizer, its shard. Its fused
-        # kernel (actor.optimizer_kernel) updates in place.
-        c["optimizer_step_temporaries"] = 0 if actor.optimizer_kernel == "fused" else params * 4 // shards
+        # torch's AdamW as a loop or foreach kernels (actor.optimizer_kernel) works through
+        # float32 temporaries as large as the parameters it updates (with the distributed
+        # optimizer, its shard); the fused kernels (torch's, TE's, Apex's) update in place.
+        fused_adam = actor.optimizer_kernel in ("auto", "fused")
+        c["optimizer_step_temporaries"] = 0 if fused_adam else params * 4 // shards
         layers = arch.num_layers // pp
         per_token = activation_bytes_per_token_layer(
             arch, tp=tp, sequence_parallel=parallel.sequence_parallel, seq_len=seq_len, flash=flash,
@@ -244,8 +256,10 @@ def plan_memory(
                 per_chunk = chunk * a // 4 if triton else 3 * chunk
                 c["loss_buffers"] = tokens * arch.hidden_size * (a + 4) + per_chunk
             else:
-                # the logits and their gradient (logits dtype), plus the chunk workspace
-                c["loss_buffers"] = 2 * tokens * vocab_rows * a + (0 if triton else 2 * chunk)
+                # the logits and their gradient (logits dtype), the copy megatron's output layer
+                # makes of that gradient in its backward (it arrives transposed, [b, s] ->
+                # [s, b], and the weight-gradient GEMM wants it contiguous), and the chunk workspace
+                c["loss_buffers"] = 3 * tokens * vocab_rows * a + (0 if triton else 2 * chunk)
         else:
             c["loss_buffers"] = 0
         resident_ref = with_reference and not actor.reference_offload
@@ -268,7 +282,9 @@ def plan_memory(
     assert best is not None
     best.generation_bytes = generation  # the stage whose resident state is largest
     best.notes.append(
-        "activations assume " + ("fused (flash) attention" if flash else "the local spec's unfused attention softmax")
+        "activations assume " + ("Transformer Engine's fused attention" if flash else (
+            "megatron's unfused attention (attention dropout)" if arch.attention_dropout > 0 else
+            "the local spec's scaled_dot_product_attention"))
         + f"; {microbatches} micro-batch(es) of {tokens} tokens per step and DP rank"
     )  # fmt: skip
     if rollout.placement == "colocated":

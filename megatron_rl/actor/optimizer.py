@@ -94,13 +94,13 @@ def uses_torch_adam() -> bool:
 
 def set_adam_kernel(optimizer: Any, kernel: str) -> None:
     """Set torch AdamW's implementation in every parameter group of ``optimizer`` (megatron's,
-    possibly chained): ``fused``, ``foreach``, ``for_loop`` or ``auto`` (torch decides per
-    step from the device: both options ``None``). A no-op when megatron uses TE's or Apex's
-    Adam. Call again after ``load_state_dict``, which restores the saved groups' options."""
+    possibly chained): ``fused`` (also ``auto``), ``foreach`` or ``for_loop``. A no-op when
+    megatron uses TE's or Apex's Adam. Call again after ``load_state_dict``, which restores
+    the saved groups' options."""
     if not uses_torch_adam():
         return
     options = {
-        "auto": (None, None),
+        "auto": (True, False),
         "fused": (True, False),
         "foreach": (False, True),
         "for_loop": (False, False),

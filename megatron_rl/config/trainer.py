@@ -176,9 +176,9 @@ class ActorConfig:
     Adam, and any value but ``auto`` is a ``ConfigError``): ``fused`` one kernel over all
     parameters, no temporaries (CPU and CUDA; the optimizer step 8.5 -> 5.2 ms on the
     vs-TRL benchmark's model, docs/benchmarks.md); ``foreach`` list kernels with
-    parameter-sized temporaries; ``for_loop`` one parameter at a time; ``auto`` is torch's
-    own choice (``foreach`` on CUDA, ``for_loop`` on CPU), which the memory planner's
-    measured check covers. The choice holds after a checkpoint is loaded."""
+    parameter-sized temporaries (torch's own default on CUDA); ``for_loop`` one parameter
+    at a time (torch's default on CPU); ``auto`` is ``fused``. The choice holds after a
+    checkpoint is loaded."""
 
     checkpoint_optimizer_sharding: Literal["dp_reshardable", "fully_reshardable"] = "dp_reshardable"
     """Optimizer-state format of saved checkpoints: ``dp_reshardable`` (no gathering;

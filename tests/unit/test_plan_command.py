@@ -53,13 +53,14 @@ def test_parameters_and_state_by_hand():
         actor=ActorConfig(), rollout=RolloutConfig(), with_reference=True, use_te=True,
     )  # fmt: skip
     assert resident.components["reference_policy"] == 2 * total
-    torch_adam = resident.components["optimizer_step_temporaries"]
-    assert torch_adam == 4 * total  # torch's AdamW: float32 temporaries the size of its parameters
-    fused = plan_memory(
-        arch, parallel=ParallelConfig(), model=ModelOptions(dtype="bfloat16"), trainer=TrainerConfig(),
-        actor=ActorConfig(optimizer_kernel="fused"), rollout=RolloutConfig(), with_reference=True, use_te=True,
-    )  # fmt: skip
-    assert fused.components["optimizer_step_temporaries"] == 0  # the fused kernel updates in place
+    assert resident.components["optimizer_step_temporaries"] == 0  # auto: the fused kernel updates in place
+    for kernel in ("foreach", "for_loop"):
+        unfused = plan_memory(
+            arch, parallel=ParallelConfig(), model=ModelOptions(dtype="bfloat16"), trainer=TrainerConfig(),
+            actor=ActorConfig(optimizer_kernel=kernel), rollout=RolloutConfig(), with_reference=True, use_te=True,
+        )  # fmt: skip
+        # torch's AdamW unfused: float32 temporaries the size of its parameters
+        assert unfused.components["optimizer_step_temporaries"] == 4 * total
 
 
 def test_an_optimizer_kernel_without_torchs_adam_is_a_config_error(monkeypatch):
