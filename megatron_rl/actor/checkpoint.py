@@ -63,6 +63,7 @@ import torch.distributed as dist
 
 from megatron_rl.actor import cpu_shim
 from megatron_rl.actor.launch import ProcessGroups
+from megatron_rl.actor.optimizer import chained
 from megatron_rl.checkpoint_integrity import (
     LATEST_FILE,
     STATE_FILE,
@@ -103,14 +104,10 @@ class NonFiniteWeightsError(RuntimeError):
     """The parameters are not finite (or overflow float32); the checkpoint was not written."""
 
 
-def _chained(optimizer) -> list:
-    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
-
-
 def adam_step(optimizer) -> float | None:
     """The Adam step count of a megatron optimizer (None before the first step)."""
     steps = set()
-    for opt in _chained(optimizer):
+    for opt in chained(optimizer):
         for state in opt.optimizer.state.values():
             if "step" in state:
                 steps.add(float(state["step"]))
@@ -121,7 +118,7 @@ def adam_step(optimizer) -> float | None:
 
 def set_adam_step(optimizer, step: float) -> None:
     """Set the per-parameter Adam ``step`` of every (allocated) optimizer state."""
-    for opt in _chained(optimizer):
+    for opt in chained(optimizer):
         for state in opt.optimizer.state.values():
             if "step" in state:
                 old = state["step"]
@@ -139,7 +136,7 @@ def init_adam_state(optimizer) -> None:
     entry, so a fresh optimizer cannot even describe what it wants to load. This is
     exactly the state torch's Adam creates lazily, so it changes nothing else.
     """
-    for opt in _chained(optimizer):
+    for opt in chained(optimizer):
         inner = opt.optimizer
         if not isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
             continue
@@ -370,15 +367,15 @@ def _load_optimizer_state(optimizer, state: dict) -> None:
     out of the state during the second; the step is restored by the caller. Megatron's
     own methods only, nothing patched.
     """
-    chained = _chained(optimizer)
+    parts = chained(optimizer)
     if (
-        len(chained) != 1
+        len(parts) != 1
         or not isinstance(state, dict)
         or state.get("param_state_sharding_type") != "fully_reshardable"
     ):
         optimizer.load_state_dict(state)
         return
-    (opt,) = chained
+    (opt,) = parts
     rest = {k: v for k, v in state.items() if k not in ("param_state", "param_state_sharding_type")}
     opt.load_state_dict(rest)  # torch optimizer skeleton, param groups, grad scaler
     held = {}

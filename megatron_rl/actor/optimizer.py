@@ -22,7 +22,7 @@ from megatron_rl.actor import cpu_shim
 from megatron_rl.config.trainer import OptimConfig
 from megatron_rl.configlib import ConfigError
 
-__all__ = ["build_optimizer", "optimizer_step", "set_adam_kernel", "uses_torch_adam"]
+__all__ = ["build_optimizer", "chained", "optimizer_step", "set_adam_kernel", "uses_torch_adam"]
 
 
 def build_optimizer(
@@ -85,6 +85,12 @@ def build_optimizer(
     return optimizer, scheduler
 
 
+def chained(optimizer: Any) -> list[Any]:
+    """The parts of a megatron optimizer (a ``ChainedOptimizer``'s, or the optimizer itself),
+    each wrapping one torch optimizer as ``.optimizer``."""
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
 def uses_torch_adam() -> bool:
     """Whether megatron-core builds torch's AdamW (neither Transformer Engine nor Apex present)."""
     import megatron.core.optimizer as mcore_optimizer
@@ -106,8 +112,8 @@ def set_adam_kernel(optimizer: Any, kernel: str) -> None:
         "for_loop": (False, False),
     }
     fused, foreach = options[kernel]
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        inner = getattr(opt, "optimizer", None)
+    for opt in chained(optimizer):
+        inner = getattr(opt, "optimizer", None)  # None on a rank without trainable parameters
         for group in getattr(inner, "param_groups", []):
             group["fused"], group["foreach"] = fused, foreach
 
@@ -125,7 +131,7 @@ def optimizer_step(optimizer: Any, scheduler: Any, *, grad_clip: float | None, l
         if found_inf or not loss_finite or not math.isfinite(grad_norm):
             return grad_norm, False
         if grad_clip:
-            for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+            for opt in chained(optimizer):
                 params = opt.get_parameters()
                 if params:
                     clip_grad_by_total_norm_fp32(

@@ -209,7 +209,7 @@ def run(spec: dict) -> dict:
     # checkpoint load, and the fused kernel really running (the profiler's op names).
     from torch.profiler import ProfilerActivity, profile
 
-    from megatron_rl.actor.optimizer import optimizer_step
+    from megatron_rl.actor.optimizer import chained, optimizer_step
 
     kernels = {}
     by_kernel = {k: train("qwen2_gqa", 2, 1, steps * 2, optimizer_kernel=k) for k in ("for_loop", "foreach", "fused")}
@@ -224,12 +224,11 @@ def run(spec: dict) -> dict:
         fresh.load_checkpoint(directory)
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             optimizer_step(fresh.optimizer, fresh.scheduler, grad_clip=1.0, loss_finite=True)
-        inner = fresh.optimizer.chained_optimizers[0].optimizer if hasattr(fresh.optimizer, "chained_optimizers") else (
-            fresh.optimizer.optimizer)  # fmt: skip
         kernels[kernel] = {
             "weights_vs_for_loop": max_diff(r["weights"], by_kernel["for_loop"]["weights"]),
             "metrics": [r["metrics"], by_kernel["for_loop"]["metrics"]],
-            "groups_after_load": [(g["fused"], g["foreach"]) for g in inner.param_groups],
+            "groups_after_load": [(g["fused"], g["foreach"]) for opt in chained(fresh.optimizer)
+                                  for g in opt.optimizer.param_groups],  # fmt: skip
             "fused_op_ran": any("_fused_adam" in e.name for e in prof.events()),
         }
     report["optimizer_kernel"] = kernels
