@@ -15,8 +15,9 @@ together). The total is compared with the GPU memory;
 
 Activation bytes are what a layer saves for the backward pass, measured on the local
 spec (megatron's modules, attention through ``scaled_dot_product_attention``, which keeps
-no ``[s, s]`` probabilities) with saved-tensor hooks, fp32, 2026-11-26, and fitted
-exactly at three shapes (H 1024 / 512, 16 x 64 / 8 x 128 heads, F 2816 / 1408):
+no ``[s, s]`` probabilities) with saved-tensor hooks (``benchmarks/saved_activations.py``),
+fp32, 2026-11-26, and fitted at five shapes (H 1024 / 512, 16 x 64 / 8 x 128 heads,
+F 2816 / 1408, s 256 / 128: exact at three, 0.3 % above at the other two):
 
     per token per layer:  a * [ 5H / t_sp + (4 n_q d + 3 n_kv d + 5F + n_q) / t + 2d + 2 ]
 
