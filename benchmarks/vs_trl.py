@@ -22,8 +22,10 @@ every 0.5 s, at nice 19); the CPU work per step: the CPU seconds (user + system)
 process and all its descendants between the ends of step 3 and step N (sampled every 0.1 s at
 nice 19, interpolated at those two instants) over N - 3, and the cores they kept busy on
 average (that CPU time over that wall time), which tells overlap apart from less work; the
-reward per step. Printed as JSON lines: one per run, then one summary with the ratios (ours
-/ TRL) and a Welch t-test of the per-seed mean reward of the last 5 steps.
+reward per step; for ours also the median of each of its ``timing_s/*`` metrics (where the
+step goes: generation, update, weight sync, waits). Printed as JSON lines: one per run,
+then one summary with the ratios (ours / TRL) and a Welch t-test of the per-seed mean
+reward of the last 5 steps.
 
     python benchmarks/vs_trl.py [--steps 30] [--seeds 3] [--trl-python /path/to/python]
                                 [--ours-overrides rollout.max_staleness=1 ...]
@@ -307,6 +309,8 @@ def main() -> None:
                 "process_s": wall, "pss_peak_bytes": pss, **cpu.per_step([r["time"] for r in records], skip),
                 "reward": [r["rollout/reward/mean"] for r in records],
                 "load_before": load,
+                "timing_s": {k: statistics.median(r[k] for r in records[skip:] if k in r)
+                             for k in sorted({k for r in records[skip:] for k in r if k.startswith("timing_s/")})},
             })  # fmt: skip
             print(json.dumps({"bench": "vs_trl", "framework": "megatron_rl", **runs["megatron_rl"][-1]}), flush=True)
 

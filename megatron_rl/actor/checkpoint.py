@@ -27,7 +27,11 @@ and pointer, never a partial one.
 Model weights are stored TP/PP-independently (full tensors, layers stacked), so they
 load at any TP/PP and ``megatron-rl convert mcore-to-hf`` exports them.
 
-Optimizer state (DistributedOptimizer), two formats:
+Optimizer state of megatron's plain optimizer (``actor.use_distributed_optimizer: false``):
+per-parameter state, identical on every DP rank, recorded as ``replicated``; it loads at
+the same TP/PP (any DP).
+
+Optimizer state of the DistributedOptimizer, two formats:
 
 * ``dp_reshardable`` (default, Megatron-LM's default): each rank writes its own buffer
   shards, no gathering. Reshards across DP only; loaded at another TP or PP, the
@@ -36,6 +40,10 @@ Optimizer state (DistributedOptimizer), two formats:
 * ``fully_reshardable``: gathered to DP rank 0 on save into per-parameter tensors;
   loads at any TP/PP/DP (tested: TP=2 -> TP=1 x PP=2 resumes like not stopping).
   Costs a gather of the optimizer state of each model-parallel shard on save.
+
+A checkpoint's optimizer state loads only into the kind of optimizer that wrote it
+(distributed or not); into the other kind, weights, LR schedule and counters load and
+Adam starts fresh, with a warning (megatron's two kinds name their state differently).
 
 Two megatron-core 0.16.1 issues of the torch-AdamW path (CPU, no TE/Apex) are handled
 here without patching: a fresh optimizer has no per-parameter state yet, so it cannot
@@ -98,6 +106,8 @@ OptimizerSharding = Literal["dp_reshardable", "fully_reshardable"]
 HF_CONFIG_SUBDIR = "hf_config"
 _FORMAT = "megatron_rl.actor/1"
 _MODEL_RESHARDABLE = ("fully_reshardable",)  # optimizer formats that load at another TP/PP
+REPLICATED = "replicated"
+"""The recorded format of the plain (not distributed) optimizer's state."""
 
 
 class NonFiniteWeightsError(RuntimeError):
@@ -147,6 +157,13 @@ def init_adam_state(optimizer) -> None:
                     state["step"] = torch.tensor(0.0, dtype=torch.float32)
                     state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+
+def is_distributed(optimizer) -> bool:
+    """Whether ``optimizer`` (megatron's, possibly chained) shards its state over DP."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    return any(isinstance(opt, DistributedOptimizer) for opt in chained(optimizer))
 
 
 def resolve_checkpoint_dir(path: str | Path) -> Path:
@@ -290,6 +307,8 @@ def save_checkpoint(
         raise ValueError(
             f"optimizer_sharding must be 'dp_reshardable' or 'fully_reshardable', got {optimizer_sharding!r}"
         )
+    if optimizer is not None and optimizer_sharding == "fully_reshardable" and not is_distributed(optimizer):
+        raise ValueError("optimizer_sharding 'fully_reshardable' is a format of the distributed optimizer")
     check_finite_parameters(model)
     final = Path(directory).absolute()
     tmp = final.parent / f".{final.name}.tmp"
@@ -315,7 +334,9 @@ def save_checkpoint(
         record = {
             "format": _FORMAT,
             "layout": _layout(groups),
-            "optimizer_sharding": optimizer_sharding,
+            **({} if optimizer is None else {
+                "optimizer_sharding": optimizer_sharding if is_distributed(optimizer) else REPLICATED
+            }),
             **_adam_settings(optimizer),
             **actor_state,
         }
@@ -417,20 +438,30 @@ def load_checkpoint(
     record = json.loads((path / STATE_FILE).read_text()) if (path / STATE_FILE).is_file() else {}
     saved_layout = record.get("layout")
     here = _layout(groups)
-    has_optimizer = "optimizer_sharding" in record
+    sharding = record.get("optimizer_sharding")  # None: no optimizer state saved
     same_model_layout = saved_layout is not None and all(saved_layout[k] == here[k] for k in ("tp", "pp"))
-    reshardable = has_optimizer and (same_model_layout or record["optimizer_sharding"] in _MODEL_RESHARDABLE)
+    why_not = None  # why this optimizer cannot take the saved state
+    if sharding is not None and optimizer is not None and (sharding != REPLICATED) != is_distributed(optimizer):
+        saved_kind, kind = ("distributed", "plain") if sharding != REPLICATED else ("plain", "distributed")
+        why_not = (
+            f"it was written by the {saved_kind} optimizer and this actor uses the {kind} one "
+            "(actor.use_distributed_optimizer)"
+        )
+    elif sharding is not None and not (same_model_layout or sharding in _MODEL_RESHARDABLE):
+        why_not = (
+            f"it was written at TP={saved_layout['tp']} PP={saved_layout['pp']} and is '{sharding}', "
+            f"which does not reshard to TP={here['tp']} PP={here['pp']}"
+        )
     if load_optimizer is None:
-        load_optimizer = optimizer is not None and reshardable
-        if has_optimizer and not reshardable and dist.get_rank() == 0:
+        load_optimizer = optimizer is not None and sharding is not None and why_not is None
+        if sharding is not None and why_not is not None and dist.get_rank() == 0:
             warnings.warn(
-                f"checkpoint {path} was written at TP={saved_layout['tp']} PP={saved_layout['pp']}; "
-                f"loading weights only at TP={here['tp']} PP={here['pp']} (optimizer state is "
-                f"'{record['optimizer_sharding']}', which reshards across DP only)",
+                f"loading weights only from checkpoint {path}; its optimizer state does not fit: {why_not}",
                 stacklevel=2,
             )
-    elif load_optimizer and not (reshardable and optimizer is not None):
-        raise ValueError(f"cannot load optimizer state from {path}: saved layout {saved_layout}, here {here}")
+    elif load_optimizer and (optimizer is None or sharding is None or why_not is not None):
+        reason = why_not or ("no optimizer was given" if optimizer is None else "it has none")
+        raise ValueError(f"cannot load optimizer state from {path}: {reason}")
 
     with cpu_shim.cuda_to_cpu():
         state = {"model": model.sharded_state_dict()}
@@ -439,7 +470,7 @@ def load_checkpoint(
             state["optimizer"] = optimizer.sharded_state_dict(
                 model.sharded_state_dict(),
                 is_loading=True,
-                metadata={"distrib_optim_sharding_type": record["optimizer_sharding"]},
+                metadata={"distrib_optim_sharding_type": sharding},
             )
     with cpu_shim.cuda_to_cpu(), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*load_state_dict.*deprecated", category=FutureWarning)

@@ -168,7 +168,12 @@ class ActorConfig:
 
     use_distributed_optimizer: bool = True
     """Shard the optimizer state over the data-parallel ranks (megatron's
-    DistributedOptimizer)."""
+    DistributedOptimizer); false: megatron's plain optimizer, its state replicated on every
+    DP rank (at one DP rank it saves the distributed optimizer's collectives over that one
+    rank: the optimizer step 7.8 -> 5.0 ms on the vs-TRL benchmark's model, about 2 % of
+    its RL step, docs/benchmarks.md). A checkpoint's optimizer state loads only into the
+    kind of optimizer that wrote it (into the other: weights, schedule and counters, with a
+    warning)."""
 
     optimizer_kernel: Literal["auto", "fused", "foreach", "for_loop"] = "auto"
     """torch's AdamW implementation, used when megatron-core falls back to torch's optimizer
@@ -239,6 +244,12 @@ class ActorConfig:
 
     def __post_init__(self) -> None:
         check_literals(self)
+        if not self.use_distributed_optimizer and self.checkpoint_optimizer_sharding == "fully_reshardable":
+            raise ConfigError(
+                "use_distributed_optimizer",
+                "false, but checkpoint_optimizer_sharding 'fully_reshardable' is a format of the distributed "
+                "optimizer; set it true, or checkpoint_optimizer_sharding 'dp_reshardable'",
+            )
         require_range("logits_chunk_tokens", self.logits_chunk_tokens, ge=1, le=1 << 24)
         require_range("recompute_num_layers", self.recompute_num_layers, ge=1)
         require_range("pad_tokens_to_multiple_of", self.pad_tokens_to_multiple_of, ge=1)

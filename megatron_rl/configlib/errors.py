@@ -97,15 +97,20 @@ def check_literals(obj: Any) -> None:
 
 
 def _literal_values(tp: Any) -> list[Any] | None:
-    """Allowed values of ``Literal[...]`` or ``Optional[Literal[...]]``; ``None`` otherwise."""
+    """Allowed values of ``Literal[...]``, optionally in a union with ``None`` and/or ``bool``
+    (``bool | Literal["auto"]``); ``None`` for any other annotation."""
     if typing.get_origin(tp) is Literal:
         return list(typing.get_args(tp))
     args = typing.get_args(tp)
-    if args and type(None) in args:
-        inner = [a for a in args if a is not type(None)]
-        if len(inner) == 1 and typing.get_origin(inner[0]) is Literal:
-            return list(typing.get_args(inner[0])) + [None]
-    return None
+    literals = [a for a in args if typing.get_origin(a) is Literal]
+    rest = [a for a in args if typing.get_origin(a) is not Literal]
+    if len(literals) != 1 or not rest or any(a not in (type(None), bool) for a in rest):
+        return None
+    return (
+        list(typing.get_args(literals[0]))
+        + ([True, False] if bool in rest else [])
+        + ([None] if type(None) in rest else [])
+    )
 
 
 class ConfigWarning(UserWarning):

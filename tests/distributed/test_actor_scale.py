@@ -5,7 +5,9 @@ PP 1/2, tied and untied embeddings, with and without sequence parallelism; seque
 parallelism and activation recompute change nothing; padding micro-batches to a multiple
 of 8/16/64 changes nothing; the reference policy is frozen, weights-only, equals the
 actor at step 0 for every initial-weight source, stays fixed while the actor trains and
-across a resume, and holds no parameter memory between passes when offloaded.
+across a resume, and holds no parameter memory between passes when offloaded; torch
+AdamW's kernels update alike; megatron's plain optimizer updates like the distributed one
+and resumes bit for bit.
 """
 
 from __future__ import annotations
@@ -102,3 +104,20 @@ def test_optimizer_kernels_give_the_same_update_and_hold_after_a_load(report, ke
     want = {"for_loop": [False, False], "foreach": [False, True], "fused": [True, False]}[kernel]
     assert case["groups_after_load"] and all(list(g) == want for g in case["groups_after_load"])
     assert case["fused_op_ran"] == (kernel == "fused")
+
+
+def test_plain_optimizer_updates_alike_and_resumes_exactly(report):
+    """``actor.use_distributed_optimizer: false`` at TP=2 x PP=2 (one DP rank): megatron's
+    plain optimizer updates as the distributed one does (2 steps), a checkpoint resumes bit
+    for bit, and a distributed optimizer loads only its weights (a warning; an error when
+    the optimizer state is required)."""
+    kind = report["optimizer_kind"]
+    assert kind["plain_vs_distributed_weights"] <= TOL, kind["plain_vs_distributed_weights"]
+    _same_metrics(kind["plain_vs_distributed_metrics"])
+    assert kind["record"] == {"optimizer_sharding": "replicated", "loaded_optimizer": True, "adam_step": 1.0}
+    resumed, continuous = kind["resume_metrics"]
+    assert resumed == continuous
+    assert kind["resume_weights"] == 0.0
+    assert kind["cross_loaded_optimizer"] is False
+    assert len(kind["cross_warning"]) == 1 and "plain optimizer" in kind["cross_warning"][0]
+    assert "written by the plain optimizer" in kind["cross_required_error"]

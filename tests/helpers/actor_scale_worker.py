@@ -232,6 +232,43 @@ def run(spec: dict) -> dict:
             "fused_op_ran": any("_fused_adam" in e.name for e in prof.events()),
         }
     report["optimizer_kernel"] = kernels
+
+    # --- megatron's plain optimizer (actor.use_distributed_optimizer: false) at TP=2 x PP=2
+    # (one DP rank): it updates like the distributed one, resumes bit for bit, and a
+    # distributed optimizer refuses its state (weights only, with a warning).
+    import warnings
+
+    work = Path(spec["work_dir"]) / "optimizer_kind"
+    kind: dict = {}
+    two = steps * 2
+    plain_run = train("qwen2_gqa", 2, 2, two, use_distributed_optimizer=False)
+    dist_run = train("qwen2_gqa", 2, 2, two)
+    kind["plain_vs_distributed_weights"] = max_diff(plain_run["weights"], dist_run["weights"])
+    kind["plain_vs_distributed_metrics"] = [plain_run["metrics"], dist_run["metrics"]]
+    plain = make_spec("qwen2_gqa", 2, 2, use_distributed_optimizer=False)
+    actor = build(MegatronActor, plain)
+    actor.load_hf_weights(spec["variants"]["qwen2_gqa"]["hf_dir"])
+    actor.train_step(rl_batch(actor.compute_logprobs(base).logp))
+    actor.save_checkpoint(work / "step_1")
+    continuous = actor.train_step(rl_batch(actor.compute_logprobs(base).logp))
+    fresh = build(MegatronActor, plain)
+    record = fresh.load_checkpoint(work)
+    resumed = fresh.train_step(rl_batch(fresh.compute_logprobs(base).logp))
+    kind["record"] = {k: record.get(k) for k in ("optimizer_sharding", "loaded_optimizer", "adam_step")}
+    kind["resume_metrics"] = [{k: m[k] for k in ("loss/total", "actor/grad_norm")} for m in (resumed, continuous)]
+    kind["resume_weights"] = max_diff(weights(fresh), weights(actor))
+    other = build(MegatronActor, make_spec("qwen2_gqa", 2, 2))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        record = other.load_checkpoint(work / "step_1")
+    kind["cross_loaded_optimizer"] = record["loaded_optimizer"]
+    kind["cross_warning"] = [str(w.message) for w in caught if "optimizer state does not fit" in str(w.message)]
+    try:
+        other.load_checkpoint(work / "step_1", load_optimizer=True)
+        kind["cross_required_error"] = None
+    except ValueError as exc:
+        kind["cross_required_error"] = str(exc)
+    report["optimizer_kind"] = kind
     return report
 
 

@@ -148,6 +148,20 @@ def test_literal_lists_allowed_values(tmp_path):
     assert err.path == "algorithm.aggregation" and "token_mean" in str(err)
 
 
+def test_plain_optimizer_has_no_fully_reshardable_format(tmp_path):
+    assert _load(tmp_path).actor.use_distributed_optimizer is True
+    err = _load_error(tmp_path, "actor.use_distributed_optimizer=false",
+                      "actor.checkpoint_optimizer_sharding=fully_reshardable")  # fmt: skip
+    assert err.path == "actor.use_distributed_optimizer" and "fully_reshardable" in str(err)
+
+
+def test_bool_or_literal_fields_are_checked_in_python_too():
+    with pytest.raises(ConfigError) as info:
+        TrainerConfig(pack_sequences="sometimes")
+    assert info.value.path == "pack_sequences" and "'auto', True, False" in str(info.value)
+    assert TrainerConfig(pack_sequences=False).pack_sequences is False
+
+
 def test_overrides_parse_floats_bools_null_and_lists(tmp_path):
     cfg = _load(
         tmp_path,
