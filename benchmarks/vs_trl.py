@@ -27,7 +27,7 @@ step goes: generation, update, weight sync, waits). Printed as JSON lines: one p
 then one summary with the ratios (ours / TRL) and a Welch t-test of the per-seed mean
 reward of the last 5 steps.
 
-    python benchmarks/vs_trl.py [--steps 30] [--seeds 3] [--trl-python /path/to/python]
+    python benchmarks/vs_trl.py [--steps 30] [--seeds 3] [--first-seed 0] [--trl-python /path/to/python]
                                 [--ours-overrides rollout.max_staleness=1 ...]
 """
 
@@ -257,6 +257,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--first-seed", type=int, default=0, help="seeds first-seed .. first-seed + seeds - 1")
     parser.add_argument("--vocab", type=int, default=VOCAB,
                         help="words of the tokenizer and the model's vocabulary (512: the issue's workload)")
     parser.add_argument("--target", choices=("prompt_prefix", "fixed"), default="prompt_prefix",
@@ -286,7 +287,7 @@ def main() -> None:
         _data(work / "train.jsonl", 512, args.vocab)
         if args.target == "fixed":
             _fixed_target(work / "train.jsonl")
-        for seed in range(args.seeds):
+        for seed in range(args.first_seed, args.first_seed + args.seeds):
             _model(work / "model", seed, args.vocab)
             # TRL
             load = wait_idle(args.idle_load, args.idle_timeout_s)
@@ -320,7 +321,7 @@ def main() -> None:
     final = {f: [statistics.mean(r["reward"][-5:]) for r in runs[f]] for f in runs}
     first = {f: [statistics.mean(r["reward"][:5]) for r in runs[f]] for f in runs}
     summary = {
-        "bench": "vs_trl", "summary": True, "steps": args.steps, "seeds": args.seeds, "vocab": args.vocab, "target": args.target,
+        "bench": "vs_trl", "summary": True, "steps": args.steps, "seeds": args.seeds, "first_seed": args.first_seed, "vocab": args.vocab, "target": args.target,
         "ours_overrides": args.ours_overrides,
         "cpu": cpu_model(), "cores": os.cpu_count(),
         **{f"{f}_{k}": med(f, k) for f in runs for k in ("step_s", "process_s", "pss_peak_bytes", "cpu_s_per_step",
