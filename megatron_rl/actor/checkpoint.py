@@ -307,7 +307,9 @@ def save_checkpoint(
         raise ValueError(
             f"optimizer_sharding must be 'dp_reshardable' or 'fully_reshardable', got {optimizer_sharding!r}"
         )
-    if optimizer is not None and optimizer_sharding == "fully_reshardable" and not is_distributed(optimizer):
+    # The format actor_state.json records (None: no optimizer state saved).
+    recorded = None if optimizer is None else optimizer_sharding if is_distributed(optimizer) else REPLICATED
+    if recorded == REPLICATED and optimizer_sharding == "fully_reshardable":
         raise ValueError("optimizer_sharding 'fully_reshardable' is a format of the distributed optimizer")
     check_finite_parameters(model)
     final = Path(directory).absolute()
@@ -334,9 +336,7 @@ def save_checkpoint(
         record = {
             "format": _FORMAT,
             "layout": _layout(groups),
-            **({} if optimizer is None else {
-                "optimizer_sharding": optimizer_sharding if is_distributed(optimizer) else REPLICATED
-            }),
+            **({} if recorded is None else {"optimizer_sharding": recorded}),
             **_adam_settings(optimizer),
             **actor_state,
         }
@@ -441,11 +441,12 @@ def load_checkpoint(
     sharding = record.get("optimizer_sharding")  # None: no optimizer state saved
     same_model_layout = saved_layout is not None and all(saved_layout[k] == here[k] for k in ("tp", "pp"))
     why_not = None  # why this optimizer cannot take the saved state
-    if sharding is not None and optimizer is not None and (sharding != REPLICATED) != is_distributed(optimizer):
-        saved_kind, kind = ("distributed", "plain") if sharding != REPLICATED else ("plain", "distributed")
+    saved_distributed = sharding != REPLICATED
+    if sharding is not None and optimizer is not None and saved_distributed != is_distributed(optimizer):
+        kind = {True: "distributed", False: "plain"}
         why_not = (
-            f"it was written by the {saved_kind} optimizer and this actor uses the {kind} one "
-            "(actor.use_distributed_optimizer)"
+            f"it was written by the {kind[saved_distributed]} optimizer and this actor uses the "
+            f"{kind[not saved_distributed]} one (actor.use_distributed_optimizer)"
         )
     elif sharding is not None and not (same_model_layout or sharding in _MODEL_RESHARDABLE):
         why_not = (
