@@ -521,6 +521,10 @@ class RolloutPool:
             # again could kill its successor after that successor had answered.
             try:
                 killed_pids[engine] = ray.get(self.actors[engine].health.remote(), timeout=5.0)["pid"]
+                # A process the pool has not seen yet is a restart Ray already spent (an
+                # engine that died on its own just before, e.g. mid-sync): count it, so the
+                # wait below knows whether Ray has a restart left for the kill.
+                self._saw_pid(engine, killed_pids[engine])
             except ray.exceptions.RayActorError:
                 logger.info("%s is already restarting; waiting for it", self.engine_names[engine])
                 continue

@@ -15,6 +15,7 @@ ray = pytest.importorskip("ray")
 from megatron_rl.config import PoolConfig, RolloutConfig  # noqa: E402
 from megatron_rl.placement import GroupPlacement  # noqa: E402
 from megatron_rl.rollout import RolloutEngineError, RolloutPool, SamplingParams  # noqa: E402
+from megatron_rl.rollout.engine_client import DIED_FOR_GOOD_AFTER_S  # noqa: E402
 from megatron_rl.rollout.hf_engine import HFEngine  # noqa: E402
 from megatron_rl.weight_buckets import MIB, make_buckets  # noqa: E402
 from megatron_rl.weight_transfer.meta import TensorMeta  # noqa: E402
@@ -198,5 +199,48 @@ def test_engine_out_of_restarts_is_given_up_and_the_others_serve(ray_cluster, ck
         assert {c.engine for g in results for c in g} == {"once-0"}
         with pytest.raises(RolloutEngineError, match="every rollout engine is dead"):
             small.restart([0])
+    finally:
+        small.shutdown()
+
+
+def _kill_behind_the_pools_back(pool, engine):
+    """Kill ``engine`` and wait for its next process (if Ray has a restart left) without
+    the pool seeing it."""
+    old_pid = ray.get(pool.actors[engine].health.remote(), timeout=60)["pid"]
+    ray.kill(pool.actors[engine], no_restart=False)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            if ray.get(pool.actors[engine].health.remote(), timeout=5)["pid"] != old_pid:
+                return
+        except ray.exceptions.ActorDiedError:
+            return
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            pass
+        time.sleep(0.2)
+    raise AssertionError("the killed engine neither restarted nor died")
+
+
+@pytest.mark.parametrize("missed_deaths", [1, 2])
+def test_deaths_the_pool_missed_do_not_keep_it_waiting(ray_cluster, ckpts, missed_deaths):
+    # max_restarts=1: the engine dies behind the pool's back (as one dying mid-sync does
+    # before a repair), then the pool restarts it. One missed death: the pool counts it
+    # from the new process's pid, so its kill leaves Ray no restart and the engine is given
+    # up at once. Two: Ray has given the actor up before the pool asks; the pool, counting
+    # a restart left, takes calls that keep failing as "died" for DIED_FOR_GOOD_AFTER_S as
+    # out of restarts. Either way not waited for until restart_timeout_s (600 s here).
+    config = RolloutConfig(num_engines=2, pool=PoolConfig(max_restarts=1, restart_timeout_s=600))
+    name = f"missed{missed_deaths}"
+    small = RolloutPool(config, str(ckpts[0]), name_prefix=name, placement=GroupPlacement.uniform(2, num_cpus=1))
+    try:
+        small.health()
+        for _ in range(missed_deaths):
+            _kill_behind_the_pools_back(small, 1)
+        start = time.monotonic()
+        small.restart([1])
+        assert time.monotonic() - start < DIED_FOR_GOOD_AFTER_S + 60
+        assert small.live_engines == [0]
+        assert f"{name}-1 is dead and will not restart" in small.health()[1]["error"]
+        assert small.generate(PROMPTS[:2], PARAMS)
     finally:
         small.shutdown()

@@ -37,9 +37,12 @@ def env(tmp_path_factory):
     root = tmp_path_factory.mktemp("weight_transport")
     other = save_actor_hf(root / "other", seed=123)
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    # The module's kill tests can cost one engine four deaths (which engine the armed fault
+    # hits is a race, and the collective's repair kills both engines once more), more than
+    # the default max_restarts=3 allows.
     config = RolloutConfig(
         engine="tests.helpers.rollout_engines:FaultOnSyncEngine", engine_args={"arm_file": str(root / "arm")},
-        num_engines=2, pool=PoolConfig(restart_timeout_s=120, weight_sync_timeout_s=60),
+        num_engines=2, pool=PoolConfig(restart_timeout_s=120, weight_sync_timeout_s=60, max_restarts=10),
     )  # fmt: skip
     pool = RolloutPool(config, str(other), placement=GroupPlacement.uniform(2, num_cpus=1), weight_backend="gloo")
     state = {"version": 0}
@@ -123,11 +126,13 @@ def test_engine_killed_mid_sync_leaves_the_pool_consistent(env, transport):
         # buckets (the shared file's descriptor) itself; collective: the group is broken, so
         # WeightSync restarts, rebuilds and retries once
         assert stats["weight_sync/retries"] == (0 if transport in BUCKETS else 1)
-        after = {h["engine"]: h["pid"] for h in pool.health()}
+        health = pool.health()
+        assert all(h["ok"] for h in health), health
+        after = {h["engine"]: h["pid"] for h in health}
         restarted = {e for e in before if after[e] != before[e]}
         # the killed engine, and with a collective also any engine that had received part of it
         assert len(restarted) == 1 if transport in BUCKETS else len(restarted) >= 1, restarted
         assert _engine_digests(pool) == [want, want]
-        assert all(h["ok"] and h["weight_version"] == state["version"] for h in pool.health())
+        assert all(h["weight_version"] == state["version"] for h in health)
     finally:
         actors.shutdown()

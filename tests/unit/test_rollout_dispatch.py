@@ -5,7 +5,7 @@ import pytest
 
 from megatron_rl.rollout import RolloutEngineError, SamplingParams
 from megatron_rl.rollout.dispatch import pick_engine, split_requests
-from megatron_rl.rollout.engine_client import wait_until_back
+from megatron_rl.rollout.engine_client import DIED_FOR_GOOD_AFTER_S, wait_until_back
 
 PARAMS = SamplingParams(n=2, max_new_tokens=5)
 
@@ -85,3 +85,19 @@ def test_a_failed_constructor_is_dead_at_once(scripted_ray):
     with pytest.raises(RolloutEngineError, match="will not restart"):
         wait_until_back(actor, "e", timeout_s=60, may_restart=True)
     assert actor.calls == 1
+
+
+def test_died_errors_that_go_on_mean_dead_even_with_a_restart_counted(scripted_ray, monkeypatch):
+    # The pool's count can miss a death; a restarting actor's calls fail as "unavailable",
+    # not "died", so "died" for DIED_FOR_GOOD_AFTER_S means Ray gave the actor up.
+    clock = [1000.0]
+    monkeypatch.setattr("time.monotonic", lambda: clock[0])
+    monkeypatch.setattr("time.sleep", lambda s: clock.__setitem__(0, clock[0] + s))
+    died = scripted_ray.exceptions.ActorDiedError()
+    unavailable = scripted_ray.exceptions.ActorUnavailableError("restarting", None)
+    # 20 s of "died", then "unavailable" (a restart after all: the window starts again),
+    # then "died" for good.
+    actor = _Scripted([died] * 41 + [unavailable] + [died])
+    with pytest.raises(RolloutEngineError, match="e is dead and will not restart"):
+        wait_until_back(actor, "e", timeout_s=600, replaces_pid=1, may_restart=True)
+    assert clock[0] - 1000.0 == pytest.approx(20.5 + 0.2 + DIED_FOR_GOOD_AFTER_S, abs=1.0)
