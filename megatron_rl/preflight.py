@@ -156,8 +156,8 @@ def _read_hf_config(config: RunConfig) -> tuple[dict[str, Any], str, str]:
 
 def _check_architecture(config: RunConfig) -> dict[str, Any]:
     """The model's dimensions fit the parallel layout and the sequence lengths."""
-    from megatron_rl.models.common import ConversionError
     from megatron_rl.models.registry import adapter_for_config
+    from megatron_rl.models.weight_units import ConversionError
 
     hf_config, _, source = _read_hf_config(config)
     key = "model.hf_config" if config.model.tiny is None else "model.tiny"

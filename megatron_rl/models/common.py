@@ -5,71 +5,29 @@ RMSNorm), so one :class:`DecoderAdapter` does the work and ``models/<arch>/`` on
 declares the flags and the config checks. Nothing here imports megatron-core at module
 level; ``layer_spec`` imports it when called.
 
-Layout contract. A *full* Megatron tensor is what the tensor-parallel shards of one
-parameter concatenate to (along dim 0 for column-parallel, dim 1 for row-parallel).
-megatron-core's dist-checkpoint stores exactly these full tensors, with the per-layer
-tensors of the decoder stacked on a new leading layer dimension; so a converted
-checkpoint is independent of TP/PP except for the vocabulary padding.
-
-====================================  ==========================================  =====================
-Megatron (canonical name, layer i)    HF (Llama-family names)                      transform
-====================================  ==========================================  =====================
-embedding.word_embeddings.weight      model.embed_tokens.weight                    pad rows to Vp
-...linear_qkv.layer_norm_weight       model.layers.i.input_layernorm.weight        copy
-...linear_qkv.weight [(nh+2ng)d, H]   self_attn.{q,k,v}_proj.weight                per group [q.., k, v]
-...linear_qkv.bias   [(nh+2ng)d]      self_attn.{q,k,v}_proj.bias (Qwen2)          per group [q.., k, v]
-...q_layernorm.weight / k_layernorm   self_attn.q_norm / k_norm (Qwen3)            copy
-...linear_proj.weight [H, nh*d]       self_attn.o_proj.weight                      copy
-...mlp.linear_fc1.layer_norm_weight   post_attention_layernorm.weight              copy
-...mlp.linear_fc1.weight [2F, H]      mlp.gate_proj.weight, mlp.up_proj.weight     [gate; up]
-...mlp.linear_fc2.weight [H, F]       mlp.down_proj.weight                         copy
-decoder.final_layernorm.weight        model.norm.weight                            copy
-output_layer.weight (untied only)     lm_head.weight                               pad rows to Vp
-====================================  ==========================================  =====================
-
-``...`` is ``decoder.layers.i.self_attention`` for attention rows and
-``decoder.layers.i`` for MLP rows. The layer-norm names are the ones megatron-core
-itself uses in checkpoints for both the local and the Transformer-Engine spec (the
-local spec maps ``input_layernorm.`` and ``pre_mlp_layernorm.`` onto them through its
-``sharded_state_dict_keys_map``); :func:`canonical_mcore_name` applies the same map to
-parameter names of a local-spec model.
-
-QKV interleaving: megatron's ``SelfAttention`` views the fused projection output as
-``[ng, (nh/ng + 2) * d]`` and splits each group into ``nh/ng`` query heads, one key
-head and one value head, so the fused weight is, per query group ``g``,
-``[q heads g*nh/ng .. (g+1)*nh/ng-1; k head g; v head g]``. Tensor parallelism gives
-each rank ``ng/TP`` whole groups, so the full tensor above is TP-independent.
+The weight layout (which HF tensors make which Megatron parameter) lives in
+:mod:`megatron_rl.models.weight_units`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, Literal
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 
+from megatron_rl.models.weight_units import LAYER_PREFIX, ConversionError, WeightUnit, hf_to_mcore, mcore_to_hf
+
 __all__ = [
-    "ConversionError",
     "ModelDims",
-    "WeightUnit",
     "DecoderAdapter",
     "config_dict",
     "padded_vocab_size",
-    "canonical_mcore_name",
-    "index_by_mcore_name",
-    "hf_to_mcore",
-    "mcore_to_hf",
-    "fuse_qkv",
-    "split_qkv",
     "require_false",
     "require_no_sliding_window",
 ]
-
-
-class ConversionError(Exception):
-    """A checkpoint or config that cannot be converted; the message names the file/tensor."""
 
 
 # ----------------------------------------------------------------------------- config
@@ -189,146 +147,6 @@ def _check_common(cfg: Mapping[str, Any]) -> None:
     act = cfg.get("hidden_act", "silu")
     if act != "silu":
         raise ConversionError(f"HF config: hidden_act={act!r} is not supported (SwiGLU with silu only)")
-
-
-# ----------------------------------------------------------------------------- weight units
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class WeightUnit:
-    """One Megatron parameter and the HF tensors it is made of.
-
-    ``mcore_shape`` is the full (TP-gathered) shape of one layer's tensor; in the
-    dist-checkpoint a decoder-layer unit is row ``layer`` of a tensor of global shape
-    ``(num_layers, *mcore_shape)`` stored under ``sharded_key``.
-    """
-
-    kind: Literal["copy", "qkv", "gate_up", "vocab"]
-    mcore_name: str
-    """Canonical GPTModel parameter name with the *global* layer index."""
-    sharded_key: str
-    """dist-checkpoint key (``decoder.layers.<suffix>`` for layer units)."""
-    layer: int | None
-    """Global layer index; None for embedding, final norm and output layer."""
-    hf_names: tuple[str, ...]
-    hf_shapes: tuple[tuple[int, ...], ...]
-    mcore_shape: tuple[int, ...]
-    num_query_groups: int = 1
-    """ng, used by ``qkv`` units only."""
-
-
-_LAYER_PREFIX = "decoder.layers."
-
-# Local-spec parameter names -> the names megatron-core checkpoints use (and TE uses).
-_LOCAL_SPEC_ALIASES = {
-    "input_layernorm.": "self_attention.linear_qkv.layer_norm_",
-    "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_",
-}
-
-
-def canonical_mcore_name(name: str) -> str:
-    """Map a local-spec GPTModel parameter name to the canonical (TE/checkpoint) name.
-
-    ``decoder.layers.3.input_layernorm.weight`` ->
-    ``decoder.layers.3.self_attention.linear_qkv.layer_norm_weight``; other names are
-    returned unchanged. Layer indices are not touched: a pipeline stage must add its
-    first global layer index to its local indices first.
-    """
-    if not name.startswith(_LAYER_PREFIX):
-        return name
-    index, _, rest = name[len(_LAYER_PREFIX) :].partition(".")
-    for old, new in _LOCAL_SPEC_ALIASES.items():
-        if rest.startswith(old):
-            return f"{_LAYER_PREFIX}{index}.{new}{rest[len(old):]}"
-    return name
-
-
-def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, num_query_groups: int) -> torch.Tensor:
-    """HF q ``[nh*d, ...]``, k/v ``[ng*d, ...]`` -> Megatron fused ``[(nh+2ng)*d, ...]``.
-
-    Works for weights (``...`` = H) and biases (no trailing dims). Each query group
-    contributes its ``nh/ng`` query heads, then its key head, then its value head.
-    """
-    ng = num_query_groups
-    rest = q.shape[1:]
-    fused = torch.cat([q.reshape(ng, -1, *rest), k.reshape(ng, -1, *rest), v.reshape(ng, -1, *rest)], dim=1)
-    return fused.reshape(-1, *rest)
-
-
-def split_qkv(
-    qkv: torch.Tensor, *, num_query_groups: int, q_rows: int, kv_rows: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Inverse of :func:`fuse_qkv`: fused ``[(nh+2ng)*d, ...]`` -> (q, k, v), contiguous."""
-    ng = num_query_groups
-    rest = qkv.shape[1:]
-    grouped = qkv.reshape(ng, -1, *rest)
-    q, k, v = torch.split(grouped, [q_rows // ng, kv_rows // ng, kv_rows // ng], dim=1)
-    return (
-        q.reshape(q_rows, *rest).contiguous(),
-        k.reshape(kv_rows, *rest).contiguous(),
-        v.reshape(kv_rows, *rest).contiguous(),
-    )
-
-
-def _check_shape(name: str, tensor: torch.Tensor, expected: Sequence[int], what: str = "tensor") -> None:
-    if tuple(tensor.shape) != tuple(expected):
-        raise ConversionError(f"{what} '{name}' has shape {tuple(tensor.shape)}, expected {tuple(expected)}")
-
-
-def hf_to_mcore(unit: WeightUnit, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    """Build the full Megatron tensor of ``unit`` (shape ``unit.mcore_shape``) from HF tensors.
-
-    ``tensors`` maps each of ``unit.hf_names`` to its HF tensor; shapes are checked
-    (a mismatch raises :class:`ConversionError` naming the tensor). Vocabulary padding
-    rows are zeros.
-    """
-    for name, shape in zip(unit.hf_names, unit.hf_shapes):
-        if name not in tensors:
-            raise ConversionError(f"HF tensor '{name}' is missing")
-        _check_shape(name, tensors[name], shape, "HF tensor")
-    parts = [tensors[name] for name in unit.hf_names]
-    if unit.kind == "copy":
-        return parts[0]
-    if unit.kind == "qkv":
-        return fuse_qkv(*parts, num_query_groups=unit.num_query_groups)
-    if unit.kind == "gate_up":
-        return torch.cat(parts, dim=0)
-    if unit.kind == "vocab":
-        (table,) = parts
-        if tuple(table.shape) == tuple(unit.mcore_shape):
-            return table  # nothing to pad: avoid a copy of the largest tensor
-        padded = table.new_zeros(unit.mcore_shape)
-        padded[: table.shape[0]].copy_(table)
-        return padded
-    raise AssertionError(f"unknown unit kind {unit.kind}")
-
-
-def mcore_to_hf(unit: WeightUnit, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-    """Split the full Megatron tensor of ``unit`` into ``(hf_name, tensor)`` pairs.
-
-    For ``vocab`` units any number of padding rows ``>= V`` is accepted (the padding
-    depends on the TP size the checkpoint was written at) and stripped.
-    """
-    if unit.kind == "vocab":
-        rows = unit.hf_shapes[0][0]
-        if tensor.dim() != 2 or tensor.shape[0] < rows or tensor.shape[1] != unit.mcore_shape[1]:
-            raise ConversionError(
-                f"Megatron tensor '{unit.mcore_name}' has shape {tuple(tensor.shape)}; expected "
-                f"[>= {rows}, {unit.mcore_shape[1]}] for vocab_size={rows} (wrong vocab size?)"
-            )
-        return [(unit.hf_names[0], tensor[:rows])]
-    _check_shape(unit.mcore_name, tensor, unit.mcore_shape, "Megatron tensor")
-    if unit.kind == "copy":
-        return [(unit.hf_names[0], tensor)]
-    if unit.kind == "qkv":
-        q, k, v = split_qkv(
-            tensor, num_query_groups=unit.num_query_groups, q_rows=unit.hf_shapes[0][0], kv_rows=unit.hf_shapes[1][0]
-        )
-        return list(zip(unit.hf_names, (q, k, v)))
-    if unit.kind == "gate_up":
-        gate, up = torch.chunk(tensor, 2, dim=0)
-        return [(unit.hf_names[0], gate.contiguous()), (unit.hf_names[1], up.contiguous())]
-    raise AssertionError(f"unknown unit kind {unit.kind}")
 
 
 # ----------------------------------------------------------------------------- adapter
@@ -569,8 +387,8 @@ def _layer_units(d: ModelDims, i: int, *, q_rows: int, kv_rows: int, H: int, F: 
     def unit(kind, suffix, names, shapes, mcore_shape, **extra) -> WeightUnit:
         return WeightUnit(
             kind=kind,
-            mcore_name=f"{_LAYER_PREFIX}{i}.{suffix}",
-            sharded_key=f"{_LAYER_PREFIX}{suffix}",
+            mcore_name=f"{LAYER_PREFIX}{i}.{suffix}",
+            sharded_key=f"{LAYER_PREFIX}{suffix}",
             layer=i,
             hf_names=tuple(hf + n for n in names),
             hf_shapes=tuple(shapes),
@@ -617,8 +435,3 @@ def _layer_units(d: ModelDims, i: int, *, q_rows: int, kv_rows: int, H: int, F: 
         unit("copy", "mlp.linear_fc2.weight", ["mlp.down_proj.weight"], [(H, F)], (H, F)),
     ]
     return units
-
-
-def index_by_mcore_name(units: Iterable[WeightUnit]) -> dict[str, WeightUnit]:
-    """``{unit.mcore_name: unit}``; look names up through :func:`canonical_mcore_name`."""
-    return {u.mcore_name: u for u in units}

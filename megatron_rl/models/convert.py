@@ -43,7 +43,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_rl.models.common import ConversionError, DecoderAdapter, ModelDims, WeightUnit, padded_vocab_size
+from megatron_rl.models.common import DecoderAdapter, ModelDims, padded_vocab_size
 from megatron_rl.models.hf_io import (
     HF_AUX_FILES,
     SafetensorsReader,
@@ -54,6 +54,7 @@ from megatron_rl.models.hf_io import (
     read_config,
 )
 from megatron_rl.models.registry import adapter_for_config
+from megatron_rl.models.weight_units import ConversionError, WeightUnit
 
 __all__ = [
     "ConversionError",

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from megatron_rl.models.common import ConversionError
+from megatron_rl.models.weight_units import ConversionError
 
 __all__ = [
     "HF_AUX_FILES",

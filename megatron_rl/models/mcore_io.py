@@ -6,7 +6,7 @@ Format. A megatron-core ``torch_dist`` checkpoint is a torch.distributed.checkpo
 ``{}`` for a GPTModel). DCP stores each *global* tensor as a set of chunks and any
 reader gathers the region it needs from whatever chunks overlap it; this is how one
 checkpoint loads at any TP/PP. The keys and global shapes must be those produced by
-``GPTModel.sharded_state_dict()`` (see ``models/common.py``): decoder-layer tensors are
+``GPTModel.sharded_state_dict()`` (see ``models/weight_units.py``): decoder-layer tensors are
 stacked as ``[num_layers, ...]`` under ``decoder.layers.<suffix>``, and every layer
 also has ``_extra_state`` objects for its four linear layers (``None`` for the local
 spec; Transformer-Engine layers accept ``None`` too).
@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_rl.models.common import ConversionError, WeightUnit
+from megatron_rl.models.weight_units import ConversionError, WeightUnit
 
 __all__ = [
     "EXTRA_STATE_MODULES",

@@ -13,7 +13,8 @@ from __future__ import annotations
 from typing import Any
 
 from megatron_rl.configlib import Registry, UnknownNameError
-from megatron_rl.models.common import ConversionError, DecoderAdapter, config_dict
+from megatron_rl.models.common import DecoderAdapter, config_dict
+from megatron_rl.models.weight_units import ConversionError
 
 __all__ = [
     "ADAPTERS",

@@ -23,8 +23,8 @@ from megatron_rl.models import (
     register_adapter,
     supported_model_types,
 )
-from megatron_rl.models.common import fuse_qkv, split_qkv
 from megatron_rl.models.registry import ADAPTERS
+from megatron_rl.models.weight_units import fuse_qkv, split_qkv
 from tests.helpers.tiny_hf import VARIANTS, VOCAB, build_config, build_model
 
 
