@@ -203,18 +203,21 @@ def test_engine_out_of_restarts_is_given_up_and_the_others_serve(ray_cluster, ck
         small.shutdown()
 
 
-def _kill_behind_the_pools_back(pool, engine):
-    """Kill ``engine`` and wait for its next process (if Ray has a restart left) without
-    the pool seeing it."""
+def _kill_behind_the_pools_back(pool, engine, *, restarts):
+    """Kill ``engine`` without the pool seeing it; ``restarts``: Ray has a restart left,
+    so wait for the next process to answer (a "died" answer right after the kill is a
+    call racing the restart), else for the first "died"."""
     old_pid = ray.get(pool.actors[engine].health.remote(), timeout=60)["pid"]
     ray.kill(pool.actors[engine], no_restart=False)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         try:
             if ray.get(pool.actors[engine].health.remote(), timeout=5)["pid"] != old_pid:
+                assert restarts, "Ray restarted an engine that had no restart left"
                 return
         except ray.exceptions.ActorDiedError:
-            return
+            if not restarts:
+                return
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
             pass
         time.sleep(0.2)
@@ -234,8 +237,8 @@ def test_deaths_the_pool_missed_do_not_keep_it_waiting(ray_cluster, ckpts, misse
     small = RolloutPool(config, str(ckpts[0]), name_prefix=name, placement=GroupPlacement.uniform(2, num_cpus=1))
     try:
         small.health()
-        for _ in range(missed_deaths):
-            _kill_behind_the_pools_back(small, 1)
+        for death in range(1, missed_deaths + 1):
+            _kill_behind_the_pools_back(small, 1, restarts=death <= config.pool.max_restarts)
         start = time.monotonic()
         small.restart([1])
         assert time.monotonic() - start < DIED_FOR_GOOD_AFTER_S + 60
