@@ -66,9 +66,9 @@ def wait_until_back(
     restart (a call that reaches the dead process before the driver learns of the
     restart reads "died"; on a loaded machine several in a row do), and is waited out
     for up to ``DIED_FOR_GOOD_AFTER_S``: the caller's count can miss a death (a process
-    that died and was replaced before anyone asked it, then killed again), and a
-    restarting actor queues calls rather than failing them, so errors that go on that
-    long mean it is out of restarts. Without a restart left, three such errors in a row
+    that died and was replaced before anyone asked it, then killed again), and calls to a
+    restarting actor fail as ``ActorUnavailableError``, not "died", so "died" that goes on
+    that long means it is out of restarts. Without a restart left, three such errors in a row
     mean it is. An actor whose constructor raised is dead at once either way (Ray does
     not re-run a constructor that failed).
 

@@ -15,7 +15,7 @@ ray = pytest.importorskip("ray")
 from megatron_rl.config import PoolConfig, RolloutConfig  # noqa: E402
 from megatron_rl.placement import GroupPlacement  # noqa: E402
 from megatron_rl.rollout import RolloutEngineError, RolloutPool, SamplingParams  # noqa: E402
-from megatron_rl.rollout.engine_client import DIED_FOR_GOOD_AFTER_S  # noqa: E402
+from megatron_rl.rollout.engine_client import DIED_FOR_GOOD_AFTER_S, wait_until_back  # noqa: E402
 from megatron_rl.rollout.hf_engine import HFEngine  # noqa: E402
 from megatron_rl.weight_buckets import MIB, make_buckets  # noqa: E402
 from megatron_rl.weight_transfer.meta import TensorMeta  # noqa: E402
@@ -205,23 +205,15 @@ def test_engine_out_of_restarts_is_given_up_and_the_others_serve(ray_cluster, ck
 
 def _kill_behind_the_pools_back(pool, engine, *, restarts):
     """Kill ``engine`` without the pool seeing it; ``restarts``: Ray has a restart left,
-    so wait for the next process to answer (a "died" answer right after the kill is a
-    call racing the restart), else for the first "died"."""
-    old_pid = ray.get(pool.actors[engine].health.remote(), timeout=60)["pid"]
-    ray.kill(pool.actors[engine], no_restart=False)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        try:
-            if ray.get(pool.actors[engine].health.remote(), timeout=5)["pid"] != old_pid:
-                assert restarts, "Ray restarted an engine that had no restart left"
-                return
-        except ray.exceptions.ActorDiedError:
-            if not restarts:
-                return
-        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-            pass
-        time.sleep(0.2)
-    raise AssertionError("the killed engine neither restarted nor died")
+    so wait for the next process to answer, else until the engine reads as dead."""
+    name, actor = pool.engine_names[engine], pool.actors[engine]
+    old_pid = ray.get(actor.health.remote(), timeout=60)["pid"]
+    ray.kill(actor, no_restart=False)
+    if restarts:
+        wait_until_back(actor, name, timeout_s=120, replaces_pid=old_pid, may_restart=True)
+    else:
+        with pytest.raises(RolloutEngineError, match="will not restart"):
+            wait_until_back(actor, name, timeout_s=120, replaces_pid=old_pid, may_restart=False)
 
 
 @pytest.mark.parametrize("missed_deaths", [1, 2])
