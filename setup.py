@@ -3,7 +3,7 @@
 torch is pinned exactly: any range that admits a newer release lets pip resolve a
 CUDA build with several GB of NVIDIA packages on a CPU machine. megatron-core 0.16.1
 through 0.19.x are supported (CI runs the CPU tiers against 0.16.1 and 0.19.2; API
-differences live in ``megatron_rl/mcore_compat.py``); pip on CPython 3.11 resolves 0.16.1,
+differences live in ``megatron_rl/actor/compat/versions.py``); pip on CPython 3.11 resolves 0.16.1,
 since 0.17+ declare Python >= 3.12.
 """
 
@@ -31,7 +31,7 @@ INSTALL_REQUIRES = [
     "math-verify>=0.9,<0.10",
     "matplotlib>=3.9,<4",  # tools/plot_run.py (Agg backend, no display)
     "pyarrow>=26,<27",  # .parquet datasets (megatron_rl.data.loaders)
-    # FP8 rollout weights (weight_transfer.fp8); pure Python, installs on CPU machines too.
+    # FP8 rollout weights (weight_sync.fp8); pure Python, installs on CPU machines too.
     "nvidia-modelopt>=0.47,<0.48",
 ]
 
@@ -71,9 +71,9 @@ setup(
     install_requires=INSTALL_REQUIRES,
     extras_require=EXTRAS_REQUIRE,
     entry_points={
-        "console_scripts": ["megatron-rl=megatron_rl.commands:main"],
+        "console_scripts": ["megatron-rl=megatron_rl.cli:main"],
         # Loaded by vLLM in each of its processes: registers the gloo weight-transfer backend.
-        "vllm.general_plugins": ["megatron_rl_weight_transfer=megatron_rl.weight_transfer.vllm_backend:register"],
+        "vllm.general_plugins": ["megatron_rl_weight_transfer=megatron_rl.weight_sync.transports.vllm:register"],
     },
     license="Apache-2.0",
 )

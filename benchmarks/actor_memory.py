@@ -105,7 +105,10 @@ def hf_config(case: dict) -> dict:
 def spec_of(case: dict, world: int):
     from megatron_rl.actor.spec import ActorSpec
     from megatron_rl.algo import AlgorithmConfig
-    from megatron_rl.config import ActorConfig, ModelOptions, ParallelConfig, RolloutConfig, TrainerConfig
+    from megatron_rl.config.model import ModelOptions
+    from megatron_rl.config.parallel import ParallelConfig
+    from megatron_rl.config.rollout import RolloutConfig
+    from megatron_rl.config.trainer import ActorConfig, TrainerConfig
 
     tokens = case["seq_len"] * case["seqs"]
     return ActorSpec(

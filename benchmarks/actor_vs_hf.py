@@ -91,7 +91,9 @@ def _ours_step(args):
     from megatron_rl.actor.launch import init_process_group
     from megatron_rl.actor.spec import ActorSpec
     from megatron_rl.algo import AlgorithmConfig
-    from megatron_rl.config import ActorConfig, ModelOptions, ParallelConfig, TrainerConfig
+    from megatron_rl.config.model import ModelOptions
+    from megatron_rl.config.parallel import ParallelConfig
+    from megatron_rl.config.trainer import ActorConfig, TrainerConfig
 
     init_process_group()
     actor = MegatronActor(ActorSpec(

@@ -100,15 +100,15 @@ logging: {{run_name: {mode}, wandb_mode: disabled, token_diagnostics: false}}
 
 
 def _run(tmp: Path, mode: str, args) -> dict:
-    from megatron_rl.config import load_run_config
+    from megatron_rl.config.run import load_run_config
+    from megatron_rl.loop.pipeline import make_trainer
     from megatron_rl.observability import read_metrics
-    from megatron_rl.trainer import Trainer
 
     path = tmp / f"{mode}.yaml"
     path.write_text(_config(tmp, mode, args))
     cfg = load_run_config(path)
     start = time.perf_counter()
-    trainer = Trainer(cfg)
+    trainer = make_trainer(cfg)
     try:
         trainer.run()
     finally:

@@ -8,7 +8,7 @@ tensor (the model is never instantiated); (2) ``hf-to-mcore`` and (3) ``mcore-to
 each in a fresh child process that reports its own peak RSS (``VmHWM``, which
 includes file pages mapped by safetensors); (4) check the round trip is bit-exact,
 tensor by tensor. Two more children measure each direction's import baseline (torch,
-torch DCP, safetensors, megatron_rl.models.convert; plus megatron-core's dist-checkpointing for
+torch DCP, safetensors, megatron_rl.models.convert.hf_mcore; plus megatron-core's dist-checkpointing for
 mcore-to-hf), which a conversion pays before reading a byte. The claim under test:
 peak RSS ~ baseline + a small multiple of the largest tensor, far below the
 checkpoint size.
@@ -44,7 +44,7 @@ def _peak_rss_bytes() -> int:
 def _child(args: argparse.Namespace) -> None:
     """Run one measured step in this (fresh) process and print its JSON result."""
     start = time.perf_counter()
-    from megatron_rl.models import convert
+    from megatron_rl.models.convert import hf_mcore as convert
 
     if args.child == "baseline-hf-to-mcore":
         import safetensors  # noqa: F401

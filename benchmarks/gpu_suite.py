@@ -23,7 +23,7 @@ Cases (``--cases``, default all):
 ``actor``    the Megatron actor's ``train_step`` on a ~1B Qwen2-shaped random-init model
              (bf16, local spec; and the TE spec when ``transformer_engine`` imports, else a
              ``skipped`` line): tokens/s and MFU against the measured bf16 GEMM peak.
-``engine``   the built-in HF engine (``megatron_rl.rollout.hf_engine.HFEngine``) on the same
+``engine``   the built-in HF engine (``megatron_rl.rollout.engines.hf.HFEngine``) on the same
              model: generated tokens/s.
 ``logprob``  log-prob agreement: the actor (fp32 and bf16) vs a float64 CPU ``transformers``
              forward of the same weights: max and mean ``|delta logp|`` (and entropy).

@@ -214,7 +214,9 @@ def _actor(suite: Suite, architecture, *, dtype: str, use_te: bool, microbatch_t
     from megatron_rl.actor.actor import MegatronActor
     from megatron_rl.actor.spec import ActorSpec
     from megatron_rl.algo import AlgorithmConfig
-    from megatron_rl.config import ModelOptions, ParallelConfig, TrainerConfig
+    from megatron_rl.config.model import ModelOptions
+    from megatron_rl.config.parallel import ParallelConfig
+    from megatron_rl.config.trainer import TrainerConfig
 
     suite.ensure_dist()
     suite._dist = False  # the actor re-initialises megatron's parallel state itself
@@ -333,7 +335,7 @@ def case_engine(suite: Suite) -> None:
     import torch
 
     from megatron_rl.rollout import SamplingParams
-    from megatron_rl.rollout.hf_engine import HFEngine
+    from megatron_rl.rollout.engines.hf import HFEngine
 
     s = suite.sizes
     t0 = time.perf_counter()

@@ -74,8 +74,8 @@ def main() -> None:
     from safetensors.torch import load_file
 
     from megatron_rl.rollout import SamplingParams
-    from megatron_rl.rollout.hf_engine import HFEngine
-    from megatron_rl.rollout.vllm_engine import VLLMEngine
+    from megatron_rl.rollout.engines.hf import HFEngine
+    from megatron_rl.rollout.engines.vllm import VLLMEngine
 
     torch.set_num_threads(os.cpu_count() or 1)
     gen = torch.Generator().manual_seed(1)

@@ -95,7 +95,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from megatron_rl.rollout import SamplingParams
-    from megatron_rl.rollout.hf_engine import HFEngine
+    from megatron_rl.rollout.engines.hf import HFEngine
 
     gen = torch.Generator().manual_seed(0)
     prompts = torch.randint(0, CONFIG["vocab_size"], (args.num_prompts, args.prompt_len), generator=gen).tolist()
@@ -114,8 +114,8 @@ def main() -> None:
 
         import ray
 
-        from megatron_rl.config import RolloutConfig
-        from megatron_rl.placement import GroupPlacement
+        from megatron_rl.cluster.placement import GroupPlacement
+        from megatron_rl.config.rollout import RolloutConfig
         from megatron_rl.rollout import RolloutPool
 
         ray.init(num_cpus=max(2, max(args.engines)), include_dashboard=False, log_to_driver=False)

@@ -6,8 +6,8 @@ shape, runs one train step with ``torch.autograd.graph.saved_tensors_hooks`` rec
 storage of every tensor autograd saves (parameters excluded; a view counts its whole
 storage, which is what stays alive), and prints per shape the bytes per token and layer
 (the 4-layer total less the 2-layer one, over 2 layers) next to
-``megatron_rl.planner.activation_bytes_per_token_layer``. The planner's formula was
-fitted to these numbers (``megatron_rl/planner.py``).
+``megatron_rl.cluster.planner.activation_bytes_per_token_layer``. The planner's formula was
+fitted to these numbers (``megatron_rl/cluster/planner.py``).
 
     python benchmarks/saved_activations.py          # one JSON line per shape
 """
@@ -72,7 +72,7 @@ def main() -> int:
     import torch
 
     from megatron_rl.actor.launch import init_process_group, initialize_parallel
-    from megatron_rl.planner import Architecture, activation_bytes_per_token_layer
+    from megatron_rl.cluster.planner import Architecture, activation_bytes_per_token_layer
 
     init_process_group()
     torch.set_num_threads(1)

@@ -56,9 +56,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5)
     args = parser.parse_args()
 
-    from megatron_rl.config import load_run_config
+    from megatron_rl.config.run import load_run_config
+    from megatron_rl.loop.pipeline import make_trainer
     from megatron_rl.observability import read_metrics
-    from megatron_rl.trainer import Trainer
 
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -81,7 +81,7 @@ logging: {{run_name: bench, wandb_mode: disabled, token_diagnostics: false}}
         )
         cfg = load_run_config(cfg_path)
         start = time.time()
-        trainer = Trainer(cfg)
+        trainer = make_trainer(cfg)
         num_params = sum(t.numel() for t in trainer.parts.actors.hf_state_dict().values())
         setup_s = time.time() - start
         trainer.run()

@@ -105,12 +105,13 @@ def main() -> None:
 
     import ray
 
-    from megatron_rl.actor.ray_group import ActorGroup
+    from megatron_rl.actor.group import ActorGroup
     from megatron_rl.actor.spec import ActorSpec
-    from megatron_rl.config import ParallelConfig, RolloutConfig
-    from megatron_rl.placement import GroupPlacement
+    from megatron_rl.cluster.placement import GroupPlacement
+    from megatron_rl.config.parallel import ParallelConfig
+    from megatron_rl.config.rollout import RolloutConfig
     from megatron_rl.rollout import RolloutPool
-    from megatron_rl.weight_sync import WeightSync
+    from megatron_rl.weight_sync.sync import WeightSync
 
     common = {"benchmark": "weight_sync", "cpu": cpu_name(), "cores": os.cpu_count()}
     per_gb: dict[str, float] = {}

@@ -2,7 +2,7 @@
 
 import sys
 
-from megatron_rl.commands import main
+from megatron_rl.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Run the unit and distributed test tiers against another megatron-core release.
+# Run the unit and distributed tests that run megatron-core code (marker ``mcore``, set by
+# tests/conftest.py from the tests' imports) against another megatron-core release.
 #
 #   bash tools/ci_mcore_matrix.sh [VERSION]        (default 0.19.2)
 #
@@ -17,7 +18,7 @@
 # multi-GB CUDA build): the install uses --ignore-requires-python, so on CPython 3.11
 # this checks code that upstream declares for 3.12+ only.
 # megatron-core 0.18+ also needs Triton to import, which it does not declare and the CPU
-# torch does not bring (megatron_rl.mcore_compat.extra_requirements): installed into the
+# torch does not bring (megatron_rl.actor.compat.versions.extra_requirements): installed into the
 # folder unless the python has it (the test extra brings one, which is then kept).
 #
 # The folder is .mcore-VERSION/ (ignored by git through its own .gitignore;
@@ -50,7 +51,7 @@ export PYTHONPATH="$target${PYTHONPATH:+:$PYTHONPATH}"
 # Undeclared requirements of this release that the base python lacks.
 missing=$("$py" -c '
 import importlib.util, re, sys
-from megatron_rl.mcore_compat import extra_requirements
+from megatron_rl.actor.compat.versions import extra_requirements
 for req in extra_requirements(sys.argv[1]):
     if importlib.util.find_spec(re.split(r"[=<>!~ ]", req)[0]) is None:
         print(req)
@@ -91,7 +92,7 @@ if not mcore_compat.is_supported():
 EOF
 
 status=0
-"$py" -m pytest -m "unit or distributed" -p no:cacheprovider \
+"$py" -m pytest -m "mcore and (unit or distributed)" -p no:cacheprovider \
     || status=$?
-echo "== megatron-core $version: unit + distributed tiers exited $status in $(( $(date +%s) - start )) s"
+echo "== megatron-core $version: the unit and distributed tests that run megatron-core exited $status in $(( $(date +%s) - start )) s"
 exit "$status"

@@ -7,7 +7,7 @@
 import argparse
 import sys
 
-from megatron_rl.commands import convert
+from megatron_rl.cli import convert
 
 
 def main(argv: list[str] | None = None) -> int:

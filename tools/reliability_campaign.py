@@ -33,7 +33,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from megatron_rl.commands.reaper import descendants, process_start_time  # noqa: E402
+from megatron_rl.cli.reaper import descendants, process_start_time  # noqa: E402
 from megatron_rl.observability import read_metrics  # noqa: E402
 from tests.helpers.checkpoints import CORRUPTIONS  # noqa: E402
 
@@ -111,9 +111,9 @@ def _float_fields() -> list[str]:
     import dataclasses
     import typing
 
-    from megatron_rl.config import RunConfig
-    from megatron_rl.configlib import iter_sections
-    from megatron_rl.configlib.schema import _type_hints
+    from megatron_rl.config.lib import iter_sections
+    from megatron_rl.config.lib.schema import _type_hints
+    from megatron_rl.config.run import RunConfig
 
     out = []
     for path, cls in iter_sections(RunConfig):
@@ -451,7 +451,7 @@ def _latest_finite(run_dir: Path, out: Path) -> bool | None:
     import torch
     from safetensors.torch import load_file
 
-    from megatron_rl.models.convert import McoreToHfOptions, mcore_to_hf
+    from megatron_rl.models.convert.hf_mcore import McoreToHfOptions, mcore_to_hf
 
     latest = run_dir / "checkpoints" / "latest"
     if not latest.exists():
@@ -504,7 +504,7 @@ def campaign_code(out: Path) -> None:
     file, with the manifest rewritten to match (whoever can plant a file can do that too)."""
     import torch
 
-    from megatron_rl.checkpoint_integrity import checkpoint_files, file_digest, write_manifest
+    from megatron_rl.storage.checkpoints import checkpoint_files, file_digest, write_manifest
 
     tmp = out / "code"
     tmp.mkdir(parents=True, exist_ok=True)

@@ -35,12 +35,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatron_rl.actor import checkpoint as ckpt
-from megatron_rl.actor import cpu_shim
 from megatron_rl.actor.batch import ActorBatch, MicroBatch
+from megatron_rl.actor.checkpoint import save_load as ckpt
 from megatron_rl.actor.collectives import device, gather_token_values, reduce_reports
+from megatron_rl.actor.compat import cpu_shim
 from megatron_rl.actor.launch import ProcessGroups
-from megatron_rl.actor.optimizer import build_optimizer, optimizer_step, set_adam_kernel
+from megatron_rl.actor.optimizer import adam_step, build_optimizer, optimizer_step, set_adam_kernel
 from megatron_rl.actor.policy import LogProbs, PolicyModel
 from megatron_rl.actor.spec import ActorSpec
 from megatron_rl.algo import (
@@ -296,7 +296,7 @@ class MegatronActor(PolicyModel):
         in the same atomic write, so a checkpoint never exists without it; ``load_checkpoint``
         returns it under ``"trainer"``."""
         # A DP rank may hold no optimizer shard (tiny models): agree on the step count.
-        step = ckpt.adam_step(self.optimizer)
+        step = adam_step(self.optimizer)
         step_t = torch.tensor([-1.0 if step is None else step], dtype=torch.float64, device=device())
         dist.all_reduce(step_t, op=dist.ReduceOp.MAX)
         state = {

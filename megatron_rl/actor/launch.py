@@ -17,6 +17,7 @@ processes with the ``spawn`` method, which re-import ``__main__``.
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import random
 from dataclasses import dataclass
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megatron_rl.actor import cpu_shim
+from megatron_rl.actor.compat import cpu_shim
 
 __all__ = ["ProcessGroups", "init_process_group", "initialize_parallel", "destroy_parallel", "set_seed"]
 
@@ -104,9 +105,11 @@ def initialize_parallel(
 ) -> ProcessGroups:
     """Set up megatron's parallel state (TP/PP/DP) and the RNGs on an initialised process group.
 
-    Applies the CPU shim first when CUDA is unavailable (see ``cpu_shim``). Re-initialises
-    the parallel state if it already exists, so one process can build actors of several
-    layouts one after the other (the tests do). DP = world / (TP * PP).
+    Applies the CPU shim first when CUDA is unavailable (see ``cpu_shim``). The same layout
+    again reuses the existing groups (an actor built before keeps working); another layout
+    re-initialises the parallel state (:func:`destroy_parallel` first, so the old layout's
+    groups and their threads go), so one process can build actors of several layouts one
+    after the other (the tests do; an actor of the old layout is unusable after that). DP = world / (TP * PP).
 
     Seeds: Python, NumPy and torch get ``seed + 100 * pp_rank`` (Megatron-LM's convention:
     stages draw different dropout masks, TP ranks of a stage the same CPU stream, which
@@ -122,12 +125,15 @@ def initialize_parallel(
     model_parallel = tensor_model_parallel_size * pipeline_model_parallel_size
     if world % model_parallel:
         raise ValueError(f"world size {world} is not a multiple of TP * PP = {model_parallel}")
-    if ps.model_parallel_is_initialized():
-        ps.destroy_model_parallel()
-    ps.initialize_model_parallel(
-        tensor_model_parallel_size=tensor_model_parallel_size,
-        pipeline_model_parallel_size=pipeline_model_parallel_size,
-    )
+    layout = (tensor_model_parallel_size, pipeline_model_parallel_size, world)
+    if _LAYOUT != [layout] or not ps.model_parallel_is_initialized():
+        destroy_parallel()
+        _GROUPS_BEFORE[:] = _live_groups()
+        ps.initialize_model_parallel(
+            tensor_model_parallel_size=tensor_model_parallel_size,
+            pipeline_model_parallel_size=pipeline_model_parallel_size,
+        )
+        _LAYOUT[:] = [layout]
     groups = ProcessGroups(
         tp=ps.get_tensor_model_parallel_group(),
         pp=ps.get_pipeline_model_parallel_group(),
@@ -157,9 +163,40 @@ def set_seed(seed: int, *, pp_rank: int = 0) -> None:
         tensor_parallel.model_parallel_cuda_manual_seed(stage_seed)
 
 
+_GROUPS_BEFORE: list[dist.ProcessGroup] = []
+"""The process groups that existed before :func:`initialize_parallel` set the current
+layout up: every later one (megatron's, and those its distributed optimizer and
+checkpointing create for the layout) is destroyed by :func:`destroy_parallel`."""
+_LAYOUT: list[tuple[int, int, int]] = []
+"""``(TP, PP, world)`` of the parallel state :func:`initialize_parallel` set up, if any."""
+
+
+def _live_groups() -> list[dist.ProcessGroup]:
+    """Every process group torch.distributed holds but the default one (megatron-core reads
+    the same registry, ``distributed_c10d._world.pg_map``, in its own teardown)."""
+    world = dist.GroupMember.WORLD
+    return [g for g in dist.distributed_c10d._world.pg_map if g is not world]
+
+
 def destroy_parallel() -> None:
-    """Tear down megatron's parallel state (the torch.distributed group stays)."""
+    """Tear down megatron's parallel state and destroy the process groups made for it (the
+    default torch.distributed group, and groups that predate the layout, stay).
+
+    ``destroy_model_parallel`` only drops megatron's references (its gloo copies of the DP
+    groups aside): the groups themselves stay registered with torch.distributed, and each
+    gloo group keeps its threads while anything references it. Megatron's modules hold
+    their groups in reference cycles, so the models of the old layout (unusable now) are
+    collected here too. A process that re-initialised the parallel state for several
+    layouts grew by ~50 threads per layout and rank without this.
+    """
     from megatron.core import parallel_state as ps
 
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
+    if _LAYOUT:
+        keep = set(_GROUPS_BEFORE)
+        for group in _live_groups():
+            if group not in keep:
+                dist.destroy_process_group(group)
+    _LAYOUT.clear()
+    gc.collect()

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from megatron_rl.actor import cpu_shim
+from megatron_rl.actor.compat import cpu_shim
 from megatron_rl.config.model import ModelOptions
 from megatron_rl.config.parallel import ParallelConfig
 from megatron_rl.config.trainer import ActorConfig
@@ -66,7 +66,7 @@ def resolve_use_te(options: ModelOptions, *, available: bool | None = None) -> b
     """Whether the Transformer-Engine spec is used (``model.use_te``, or auto: where TE
     imports on a CUDA machine); a ``ConfigError`` naming the field when TE is asked for
     (``use_te: true`` or ``fp8``) but not available. ``available`` overrides the probe."""
-    from megatron_rl.configlib import ConfigError
+    from megatron_rl.config.lib import ConfigError
 
     available = te_available() if available is None else available
     use_te = available if options.use_te is None else options.use_te

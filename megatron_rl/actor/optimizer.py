@@ -9,6 +9,10 @@ the global loss or the gradient norm is not finite, the update is skipped (weigh
 moments and step, LR schedule untouched). :func:`set_adam_kernel` picks torch AdamW's
 implementation (``actor.optimizer_kernel``) through the options torch keeps per parameter
 group, the same way megatron asks for the fused kernel in its CPU-offload optimizer.
+
+Adam's state as checkpoints see it (the end of this file): the step count, torch AdamW's
+lazily allocated state, and loading the ``fully_reshardable`` format around a
+megatron-core 0.16.1 bug (``load_optimizer_state``), with megatron's own methods only.
 """
 
 from __future__ import annotations
@@ -18,11 +22,23 @@ from typing import Any
 
 import torch
 
-from megatron_rl.actor import cpu_shim
+from megatron_rl.actor.compat import cpu_shim
+from megatron_rl.config.lib import ConfigError
 from megatron_rl.config.trainer import OptimConfig
-from megatron_rl.configlib import ConfigError
 
-__all__ = ["build_optimizer", "chained", "optimizer_step", "set_adam_kernel", "uses_torch_adam"]
+__all__ = [
+    "adam_settings",
+    "adam_step",
+    "build_optimizer",
+    "chained",
+    "init_adam_state",
+    "is_distributed",
+    "load_optimizer_state",
+    "optimizer_step",
+    "set_adam_kernel",
+    "set_adam_step",
+    "uses_torch_adam",
+]
 
 
 def build_optimizer(
@@ -143,3 +159,98 @@ def optimizer_step(optimizer: Any, scheduler: Any, *, grad_clip: float | None, l
         optimizer.step_with_ready_grads()
     scheduler.step(increment=1)
     return grad_norm, True
+
+
+# --------------------------------------------------------------------------- Adam's state in checkpoints
+
+
+def adam_step(optimizer) -> float | None:
+    """The Adam step count of a megatron optimizer (None before the first step)."""
+    steps = set()
+    for opt in chained(optimizer):
+        for state in opt.optimizer.state.values():
+            if "step" in state:
+                steps.add(float(state["step"]))
+    if len(steps) > 1:
+        raise RuntimeError(f"inconsistent Adam step counts across parameters: {sorted(steps)}")
+    return steps.pop() if steps else None
+
+
+def set_adam_step(optimizer, step: float) -> None:
+    """Set the per-parameter Adam ``step`` of every (allocated) optimizer state."""
+    for opt in chained(optimizer):
+        for state in opt.optimizer.state.values():
+            if "step" in state:
+                old = state["step"]
+                if torch.is_tensor(old):  # a new tensor per parameter: never shared
+                    state["step"] = torch.tensor(float(step), dtype=old.dtype, device=old.device)
+                else:
+                    state["step"] = float(step)
+
+
+def init_adam_state(optimizer) -> None:
+    """Allocate torch Adam's per-parameter state (zeros, ``step`` 0) where it is still empty.
+
+    Without TE/Apex (CPU) megatron uses ``torch.optim.AdamW``, whose state appears only
+    at the first step; the DistributedOptimizer's ``state_dict()`` asserts on a ``step``
+    entry, so a fresh optimizer cannot even describe what it wants to load. This is
+    exactly the state torch's Adam creates lazily, so it changes nothing else.
+    """
+    for opt in chained(optimizer):
+        inner = opt.optimizer
+        if not isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
+            continue
+        for group in inner.param_groups:
+            for p in group["params"]:
+                state = inner.state[p]
+                if len(state) == 0:
+                    state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+
+def is_distributed(optimizer) -> bool:
+    """Whether ``optimizer`` (megatron's, possibly chained) shards its state over DP."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    return any(isinstance(opt, DistributedOptimizer) for opt in chained(optimizer))
+
+
+def adam_settings(optimizer) -> dict[str, Any]:
+    """Adam's betas and eps as the optimizer holds them (loading a checkpoint restores its
+    param groups, so a resume compares these with the config's)."""
+    groups = getattr(optimizer, "param_groups", None) or []
+    group = groups[0] if groups else {}
+    if "betas" not in group:
+        return {}
+    return {"adam": {"beta1": float(group["betas"][0]), "beta2": float(group["betas"][1]), "eps": float(group["eps"])}}
+
+
+def load_optimizer_state(optimizer, state: dict) -> None:
+    """``optimizer.load_state_dict(state)``, working around a megatron-core 0.16.1 bug.
+
+    With torch's AdamW (no TE/Apex), ``load_parameter_state_from_fully_reshardable``
+    copies every key of the per-parameter state, ``step`` included, from tensors that
+    never contain ``step`` (``KeyError: 'step'``). For that format the two halves of
+    ``DistributedOptimizer.load_state_dict`` are called here in turn, with ``step`` held
+    out of the state during the second; the step is restored by the caller. Megatron's
+    own methods only, nothing patched.
+    """
+    parts = chained(optimizer)
+    if (
+        len(parts) != 1
+        or not isinstance(state, dict)
+        or state.get("param_state_sharding_type") != "fully_reshardable"
+    ):
+        optimizer.load_state_dict(state)
+        return
+    (opt,) = parts
+    rest = {k: v for k, v in state.items() if k not in ("param_state", "param_state_sharding_type")}
+    opt.load_state_dict(rest)  # torch optimizer skeleton, param groups, grad scaler
+    held = {}
+    for key, entry in opt.optimizer.state.items():
+        if "step" in entry:
+            held[key] = entry.pop("step")
+    opt.load_parameter_state_from_fully_reshardable(state["param_state"])
+    for key, step in held.items():
+        opt.optimizer.state[key]["step"] = step

@@ -29,9 +29,9 @@ from typing import Any
 
 import torch
 
-from megatron_rl.actor import cpu_shim
 from megatron_rl.actor.batch import ActorBatch, MicroBatch, make_microbatches, resolve_packing
 from megatron_rl.actor.collectives import device, gather_token_values
+from megatron_rl.actor.compat import cpu_shim
 from megatron_rl.actor.hidden import final_hidden_states, output_weight
 from megatron_rl.actor.launch import ProcessGroups, initialize_parallel
 from megatron_rl.actor.model import build_gpt_model, build_transformer_config, load_hf_config, resolve_use_te
@@ -58,7 +58,7 @@ _TOKEN_FIELDS = ("targets", "old_logp", "advantages", "mask", "ref_logp", "engin
 def check_loss_kernel(kernel: str, on: torch.device, dtype: torch.dtype) -> None:
     """``actor.loss_kernel`` can run for logits of ``dtype`` on device ``on``, checked when
     the actor starts rather than at its first loss (``ConfigError`` naming the field)."""
-    from megatron_rl.configlib import ConfigError
+    from megatron_rl.config.lib import ConfigError
 
     try:
         resolve_kernel(kernel, torch.empty(0, device=on, dtype=dtype))

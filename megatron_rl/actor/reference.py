@@ -4,7 +4,7 @@ A ``ReferencePolicy`` is one pipeline stage of the policy (``policy.py``) with n
 frozen model does not need: no DDP wrapper, no gradient buffer, no optimizer, and
 parameters that do not require grad; its log-probs use the same fused op (forward only)
 as the actor's. It always holds the run's INITIAL weights, from the same source as the
-actor's (:meth:`~megatron_rl.actor.ray_group.ActorWorker.load_initial_weights`: a HF
+actor's (:meth:`~megatron_rl.actor.worker.ActorWorker.load_initial_weights`: a HF
 directory or a Megatron checkpoint; for a random init, a copy of the actor's initial
 weights, which the seed rebuilds identically on resume), and never a trained checkpoint.
 
@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
-from megatron_rl.actor import checkpoint as ckpt
 from megatron_rl.actor.batch import ActorBatch
+from megatron_rl.actor.checkpoint import save_load as ckpt
 from megatron_rl.actor.launch import ProcessGroups
 from megatron_rl.actor.policy import LogProbs, PolicyModel
 from megatron_rl.actor.spec import ActorSpec

@@ -49,8 +49,8 @@ from megatron_rl.algo import (
     truncated_is_weights,
     update_phases,
 )
+from megatron_rl.config.seeding import minibatch_seed
 from megatron_rl.observability.diagnostics import token_probability_diagnostics
-from megatron_rl.seeding import minibatch_seed
 
 __all__ = ["minibatch_rows", "old_logp_from_train_forward", "timed", "update_policy"]
 

@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from megatron_rl.actor.launch import ProcessGroups
 from megatron_rl.models import DecoderAdapter, canonical_mcore_name
-from megatron_rl.weight_transfer.meta import TensorMeta
+from megatron_rl.weight_sync.meta import TensorMeta
 
 __all__ = [
     "HFWeightSource",
@@ -249,7 +249,7 @@ def load_hf_weights(
 
 
 class HFWeightSource:
-    """The actor's weights as a weight-transfer source (``weight_transfer.gloo.WeightSource``):
+    """The actor's weights as a weight-transfer source (``weight_sync.transports.gloo.WeightSource``):
     HF-named full tensors in ``dtype`` (the engines' dtype; cast before they leave the
     device, so a bf16 engine costs half the bytes of a float32 actor).
 

@@ -29,7 +29,7 @@ from typing import Protocol
 import torch
 
 from megatron_rl.algo.config import AdvantageConfig
-from megatron_rl.configlib import Registry, UnknownNameError
+from megatron_rl.config.lib import Registry, UnknownNameError
 
 
 class AdvantageEstimator(Protocol):

@@ -1,8 +1,10 @@
-"""Typed configs of the loss library (the ``algorithm`` section of a run config).
+"""The ``algorithm`` section of a run config: advantages, the policy loss, and one
+sub-section per token-weight method (each declared in its method's file, ``methods/``).
 
 Defaults follow the AR/Lopti paper's K&K runs (``docs/algorithms.md`` lists them and
 every place we depart from a paper). Each method is off unless enabled, so the default
-``AlgorithmConfig()`` is plain GRPO with clip-higher and dual-clip.
+``AlgorithmConfig()`` is plain GRPO with clip-higher and dual-clip. The methods compose
+in the order this module imports them (their registration order).
 """
 
 from __future__ import annotations
@@ -10,7 +12,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from megatron_rl.configlib import ConfigError, check_literals, require_range
+from megatron_rl.algo.methods.ar import ARConfig
+from megatron_rl.algo.methods.base import TOKEN_WEIGHT_METHODS
+from megatron_rl.algo.methods.lopti import LoptiConfig
+from megatron_rl.algo.methods.stapo import STAPOConfig
+from megatron_rl.algo.methods.tr_grpo import TRGRPOConfig
+from megatron_rl.config.lib import ConfigError, check_literals, require_range
+
+__all__ = ["AdvantageConfig", "AggregationMode", "AlgorithmConfig"]
 
 AggregationMode = Literal[
     "token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm", "reference_microbatch_mean"
@@ -37,110 +46,6 @@ class AdvantageConfig:
         if not self.estimator:
             raise ConfigError("estimator", "must be a non-empty estimator name")
         require_range("eps", self.eps, ge=0.0)
-
-
-@dataclass(kw_only=True)
-class ARConfig:
-    """Advantage Reweighting (arXiv 2505.12929): ``A <- (alpha * p_old + 1 - alpha) * A``."""
-
-    alpha: float = 0.0
-    """Reweighting strength in [0, 1]; 0 disables it (plain GRPO). Paper: 0.3 with Lopti,
-    0.2 alone (K&K), 0.1 (math)."""
-
-    @property
-    def enabled(self) -> bool:
-        return self.alpha > 0.0
-
-    def __post_init__(self) -> None:
-        require_range("alpha", self.alpha, ge=0.0, le=1.0)
-
-
-@dataclass(kw_only=True)
-class LoptiConfig:
-    """Low-Probability Token Isolation (arXiv 2505.12929): two update passes, low first."""
-
-    enabled: bool = False
-    """Split each RL step into a low-probability pass and a high-probability pass."""
-
-    eta: float = 0.5
-    """Threshold on the old-policy token probability: low iff ``p_old < eta`` (strict).
-    Paper: 0.5 with AR, 0.4 alone."""
-
-    denominator: Literal["all", "phase"] = "all"
-    """Token count that normalises each pass: ``all`` valid response tokens (the paper's
-    code) or only the ``phase``'s own tokens."""
-
-    def __post_init__(self) -> None:
-        check_literals(self)
-        require_range("eta", self.eta, gt=0.0, lt=1.0)
-
-
-@dataclass(kw_only=True)
-class TRGRPOConfig:
-    """TR-GRPO (arXiv 2511.00066): ``w = clip(alpha * (sigmoid(p / tau) - mu), L, U)``.
-
-    ``p`` is the CURRENT policy's token probability, with no gradient through ``w``.
-    The paper's constants are not public; these defaults are ours (docs/algorithms.md).
-    """
-
-    enabled: bool = False
-    """Weight each token by an increasing function of its current probability."""
-
-    alpha: float | None = None
-    """Scale; ``None`` picks ``1 / (sigmoid(1 / tau) - mu)`` so that ``w(p=1) = 1`` before clipping."""
-
-    tau: float = 1.0
-    """Temperature of the sigmoid, > 0."""
-
-    mu: float = 0.5
-    """Offset subtracted from the sigmoid; 0.5 makes ``w(p=0) = 0`` before clipping."""
-
-    lower: float = 0.1
-    """``L``: the smallest weight, so no token's gradient is silenced entirely."""
-
-    upper: float = 1.0
-    """``U``: the largest weight."""
-
-    placement: Literal["ratio", "loss"] = "ratio"
-    """``ratio``: inside the clipped objective, ``min(w r A, clip(w r) A)`` as in the paper
-    (and on the KL term); ``loss``: multiply the per-token loss (PG + KL) by ``w``."""
-
-    def __post_init__(self) -> None:
-        check_literals(self)
-        require_range("tau", self.tau, gt=0.0)
-        require_range("lower", self.lower, ge=0.0)
-        if self.upper < self.lower:
-            raise ConfigError("upper", f"got {self.upper!r}; must be >= lower ({self.lower!r})")
-        if self.alpha is None and self.resolved_alpha() <= 0.0:
-            raise ConfigError("mu", f"got {self.mu!r}; with alpha unset, mu must be < sigmoid(1 / tau)")
-
-    def resolved_alpha(self) -> float:
-        """``alpha``, or the value giving ``w(p=1) = 1`` when it is unset."""
-        if self.alpha is not None:
-            return self.alpha
-        import math
-
-        sig = 1.0 / (1.0 + math.exp(-1.0 / self.tau))
-        return 1.0 / (sig - self.mu) if sig != self.mu else float("inf")
-
-
-@dataclass(kw_only=True)
-class STAPOConfig:
-    """STAPO (arXiv 2602.15620): silence spurious tokens (A > 0, p < tau_p, H < tau_h)."""
-
-    enabled: bool = False
-    """Mask spurious tokens out of the loss and renormalise over the kept tokens."""
-
-    tau_p: float = 0.002
-    """Absolute probability threshold (strict ``p < tau_p``) on the current policy."""
-
-    entropy_quantile: float = 0.75
-    """``q``: ``tau_h`` is this quantile of entropy over the candidate tokens
-    ``{A > 0, p < tau_p}`` of the mini-batch (strict ``H < tau_h``). 0.75 or 0.80 in the paper."""
-
-    def __post_init__(self) -> None:
-        require_range("tau_p", self.tau_p, gt=0.0, le=1.0)
-        require_range("entropy_quantile", self.entropy_quantile, ge=0.0, le=1.0)
 
 
 @dataclass(kw_only=True)
@@ -215,7 +120,8 @@ class AlgorithmConfig:
     @property
     def needs_entropy(self) -> bool:
         """Whether the loss needs the full-distribution entropy of the current policy."""
-        return self.entropy_coef > 0.0 or self.stapo.enabled
+        sections = ((m, getattr(self, name, self)) for name, m in TOKEN_WEIGHT_METHODS.items())
+        return self.entropy_coef > 0.0 or any(m.enabled(s) and m.needs_entropy(s) for m, s in sections)
 
     @property
     def needs_ref_logp(self) -> bool:

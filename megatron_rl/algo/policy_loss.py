@@ -37,7 +37,14 @@ from dataclasses import dataclass, field
 import torch
 
 from megatron_rl.algo.config import AlgorithmConfig
-from megatron_rl.algo.methods import check_phase, enabled_methods, old_logp_before_forward, pair, select_tokens
+from megatron_rl.algo.methods.base import pair
+from megatron_rl.algo.methods.compose import (
+    check_phase,
+    old_logp_before_forward,
+    reweight_advantages,
+    select_tokens,
+    token_weights,
+)
 
 LOG_RATIO_CLAMP = 20.0
 
@@ -139,12 +146,7 @@ def prepare_advantages(
         if old_logp_before_forward(config):
             raise ValueError("an enabled method reweights the advantages from old_logp, which is None")
         return advantages, {}
-    valid = mask.bool()
-    metrics: dict[str, torch.Tensor] = {}
-    for method in enabled_methods(config):
-        advantages, m = method.reweight_advantages(advantages, old_logp, valid, config)
-        metrics.update(m)
-    return advantages, metrics
+    return reweight_advantages(config, advantages, old_logp, mask.bool())
 
 
 def compute_policy_loss(
@@ -204,10 +206,7 @@ def compute_policy_loss(
     # Stop-gradient token weights, by where they apply (TR-GRPO).
     ratio_w = loss_w = None
     weight_metrics = []
-    for method in enabled_methods(config):
-        tw = method.token_weight(tokens, config)
-        if tw is None:
-            continue
+    for tw in token_weights(tokens, config):
         weight_metrics.append((tw.metric, tw.weight))
         if tw.placement == "ratio":
             ratio_w = tw.weight if ratio_w is None else ratio_w * tw.weight

@@ -1,10 +1,19 @@
-"""The typed run config: one keyword-only dataclass per YAML section.
+"""The typed run config: one keyword-only dataclass per YAML section, one module per section.
 
-A run is described by :class:`RunConfig` (``model``, ``parallel``, ``rollout``,
-``algorithm``, ``trainer``, ``actor``, ``data``, ``logging``). Read one with
-:func:`load_run_config` (YAML plus dotted ``section.field=value`` overrides); the generic
-machinery (type checks, "did you mean" errors, renamed fields, saving the resolved
-config) lives in :mod:`megatron_rl.configlib`.
+A run is described by :class:`~megatron_rl.config.run.RunConfig` (``model``, ``parallel``,
+``rollout``, ``algorithm``, ``trainer``, ``actor``, ``data``, ``logging``). Read one with
+:func:`~megatron_rl.config.run.load_run_config` (YAML plus dotted ``section.field=value``
+overrides). The generic machinery (type checks, "did you mean" errors, renamed fields,
+registries, saving the resolved config) is the sub-package :mod:`megatron_rl.config.lib`,
+the lowest layer of the package: everything may import it, it imports nothing of
+megatron_rl. :mod:`megatron_rl.config.seeding` derives every seed of a run from
+``trainer.seed``.
+
+Modules: ``data`` (``data``, ``logging``), ``model``, ``parallel``, ``rollout``,
+``trainer`` (``trainer``, ``actor``), ``run`` (``RunConfig``, loading, the field
+reference); the ``algorithm`` section is the loss library's own
+(:class:`~megatron_rl.algo.config.AlgorithmConfig`). This ``__init__`` imports nothing, so
+the machinery is importable below ``algo`` (which the ``run`` module composes).
 
 Conventions (``docs/style.md``): a docstring under every field (``docs/config.md`` is
 generated from them), units and scope in names, checks of one section in its
@@ -17,38 +26,7 @@ components need the same settings, one class declares them and the other extends
 components receive the sections themselves, never copies. Engine settings are not
 re-declared: ``rollout.engine_args`` is handed to the engine unchanged.
 
-Only the builder (``megatron_rl.builder``) reads a whole ``RunConfig``; components get
-the sections they need. ``python -m megatron_rl.config`` prints the field reference
-(``docs/config.md``).
+Only the builder (:mod:`megatron_rl.loop.builder`) reads a whole ``RunConfig``;
+components get the sections they need. ``python -m megatron_rl.config`` prints the field
+reference (``docs/config.md``).
 """
-
-from megatron_rl.config.data import DataConfig, LoggingConfig
-from megatron_rl.config.model import ModelConfig, ModelOptions, TinyModelConfig
-from megatron_rl.config.parallel import ParallelConfig
-from megatron_rl.config.rollout import PoolConfig, RolloutConfig, SamplingSettings
-from megatron_rl.config.run import (
-    DOCS_PATH,
-    RunConfig,
-    config_reference,
-    load_run_config,
-)
-from megatron_rl.config.trainer import ActorConfig, OptimConfig, TrainerConfig
-
-__all__ = [
-    "DOCS_PATH",
-    "ActorConfig",
-    "DataConfig",
-    "LoggingConfig",
-    "ModelConfig",
-    "ModelOptions",
-    "OptimConfig",
-    "ParallelConfig",
-    "PoolConfig",
-    "RolloutConfig",
-    "RunConfig",
-    "SamplingSettings",
-    "TinyModelConfig",
-    "TrainerConfig",
-    "config_reference",
-    "load_run_config",
-]

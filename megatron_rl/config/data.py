@@ -6,14 +6,14 @@ import os
 from dataclasses import dataclass, field
 from typing import Literal
 
-from megatron_rl.config.model import require_positive_ints
-from megatron_rl.configlib import (
+from megatron_rl.config.lib import (
     MAX_TIMEOUT_S,
     ConfigError,
     check_literals,
     renamed_fields,
     require_range,
 )
+from megatron_rl.config.model import require_positive_ints
 
 
 @renamed_fields(reward="task")

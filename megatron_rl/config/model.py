@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from megatron_rl.configlib import (
+from megatron_rl.config.lib import (
     ConfigError,
     check_literals,
     require_range,

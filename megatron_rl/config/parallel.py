@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from megatron_rl.config.lib import ConfigError, check_literals, require_range
 from megatron_rl.config.model import require_positive_ints
-from megatron_rl.configlib import ConfigError, check_literals, require_range
 
 
 @dataclass(kw_only=True)

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from megatron_rl.config.lib import MAX_TIMEOUT_S, ConfigError, check_literals, require_range
 from megatron_rl.config.model import require_positive_ints
-from megatron_rl.configlib import MAX_TIMEOUT_S, ConfigError, check_literals, require_range
 
 
 @dataclass(kw_only=True)
@@ -131,7 +131,7 @@ class RolloutConfig(SamplingSettings):
     """Dtype of the weights sent to the engines: ``auto`` is the engines' own; ``fp8``
     sends the attention/MLP projection weights as FP8 e4m3 with 128x128 block scales
     (nvidia-modelopt's quantizer; the ``weight_scale_inv`` layout vLLM's block-FP8 loader
-    reads; ``weight_transfer.fp8``) and the built-in engine runs on the dequantized weights;
+    reads; ``weight_sync.fp8``) and the built-in engine runs on the dequantized weights;
     the log-prob mismatch metric and TIS then show the drift. The vLLM engine does not read
     it yet (a config error)."""
 

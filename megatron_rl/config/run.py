@@ -7,12 +7,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from megatron_rl.algo.config import AlgorithmConfig
+from megatron_rl.algo.methods.compose import config_warnings
 from megatron_rl.config.data import DataConfig, LoggingConfig
+from megatron_rl.config.lib import ConfigError, load_config, render_docs, warn_config
 from megatron_rl.config.model import ModelConfig, TinyModelConfig
 from megatron_rl.config.parallel import ParallelConfig
 from megatron_rl.config.rollout import RolloutConfig
 from megatron_rl.config.trainer import ActorConfig, TrainerConfig
-from megatron_rl.configlib import ConfigError, load_config, render_docs, warn_config
 
 
 def _default_model() -> ModelConfig:
@@ -131,8 +132,8 @@ class RunConfig:
 
     def _warn_ignored(self) -> None:
         algo = self.algorithm
-        if algo.stapo.enabled and algo.kl_coef > 0.0:
-            warn_config("algorithm.kl_coef", f"{algo.kl_coef} with STAPO enabled; the STAPO paper uses no KL term")
+        for path, message in config_warnings(algo):  # the enabled token-weight methods'
+            warn_config(f"algorithm.{path}", message)
         if algo.constant_normalizer is not None and algo.aggregation != "seq_mean_token_sum_norm":
             warn_config(
                 "algorithm.constant_normalizer",

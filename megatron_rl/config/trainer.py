@@ -7,14 +7,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from megatron_rl.config.model import require_positive_ints
-from megatron_rl.configlib import (
+from megatron_rl.config.lib import (
     MAX_SEED,
     ConfigError,
     check_literals,
     require_range,
     warn_config,
 )
+from megatron_rl.config.model import require_positive_ints
 
 
 @dataclass(kw_only=True)

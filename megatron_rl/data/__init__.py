@@ -8,7 +8,7 @@
 
 What is particular to a task (its generator, prompt style and reward) lives in
 :mod:`megatron_rl.tasks`, and ``megatron-rl generate-data`` in
-:mod:`megatron_rl.commands.generate_data`; this package imports neither. Nothing here
+:mod:`megatron_rl.cli.generate_data`; this package imports neither. Nothing here
 imports torch. See ``docs/data_and_rewards.md``.
 """
 

@@ -236,7 +236,7 @@ class DecoderAdapter:
         """Architecture keyword arguments for megatron-core ``TransformerConfig``.
 
         Parallelism, dtype and CPU/fusion flags are the caller's (see
-        ``megatron_rl.actor.cpu_shim.transformer_config_overrides`` on CPU).
+        ``megatron_rl.actor.compat.cpu_shim.transformer_config_overrides`` on CPU).
         """
         import torch.nn.functional as F
 

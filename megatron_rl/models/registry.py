@@ -3,16 +3,16 @@
 Dispatch is by exact ``model_type`` (never by substrings of a model name). The
 built-in architectures register themselves when ``megatron_rl.models`` is imported;
 an extra architecture registers the same way, with no special case for built-ins.
-:data:`ADAPTERS` is a :class:`~megatron_rl.configlib.Registry`; an unknown name raises
+:data:`ADAPTERS` is a :class:`~megatron_rl.config.lib.Registry`; an unknown name raises
 :class:`UnknownModelTypeError`, which is both a :class:`ConversionError` and a
-:class:`~megatron_rl.configlib.UnknownNameError`.
+:class:`~megatron_rl.config.lib.UnknownNameError`.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from megatron_rl.configlib import Registry, UnknownNameError
+from megatron_rl.config.lib import Registry, UnknownNameError
 from megatron_rl.models.common import DecoderAdapter, config_dict
 from megatron_rl.models.weight_units import ConversionError
 

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from megatron_rl.checkpoint_integrity import fsync_dir
+from megatron_rl.storage.durable import fsync_dir
 
 
 class MetricsSink:

@@ -6,10 +6,9 @@ only the rows of the loss's mask through the lm-head. Shapes: ``[*S]`` per-token
 in, flat ``[T_sel]`` out (and back to flat ``[T]``).
 
 On CUDA finding the rows (``nonzero``) is one more host synchronisation per call; it pays
-there too (``benchmarks/row_select.py`` on an H200, 2026-11-26, docs/benchmarks.md): at
-T = 16k, H = 3584, V = 151,936, half the tokens with a loss: 115 -> 61 ms forward +
-backward; 94 % of them: 119 -> 112 ms; behind 30 ms of queued GEMMs the sync adds
-nothing measurable, since the op already reads the targets back at its start.
+there too, since the op already reads the targets back at its start and the GEMMs saved
+scale with the share of prompt tokens (``benchmarks/row_select.py``; its numbers are in
+docs/benchmarks.md).
 """
 
 from __future__ import annotations

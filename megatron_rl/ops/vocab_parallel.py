@@ -61,15 +61,12 @@ LINEAR_CHUNK_BYTES = {"cuda": 2**30, "cpu": 64 * 2**20}
 """Default float32 footprint of one chunk of logits in the fused lm-head mode, per device
 type. Each chunk's logits come from a ``[n, H] x [H, V_local]`` matmul and its weight
 gradient is added into the whole ``[V_local, H]`` gradient: chunks of a few tokens leave
-the matmuls inefficient and re-read that gradient hundreds of times (measured on CPU at
-the Qwen2.5 vocabulary and hidden 512: 6x slower than materialising the logits), so this
-mode takes large chunks. On a GPU, 1 GiB (1,766 tokens at V/TP = 151,936; with the Triton
-kernels the chunk's logits are bf16, 0.5 GiB, overwritten by their gradient): measured on
-an H100 at T = 16,384, H = 3,584 (``benchmarks/linear_chunk_sweep.py``, 2026-11-24),
-441-token chunks took 163 ms, 1,024: 130, 2,048: 118, 4,096: 113, 8,192: 110 (the
-unfused path 83 ms at 6.7x the memory); past ~2k tokens the gain is small and the memory
-grows linearly. On a CPU the matmuls are slow anyway and 64 MiB keeps the chunk buffers
-small (tested: 110-token chunks cost about as much time as materialising the logits)."""
+the matmuls inefficient and re-read that gradient hundreds of times (on CPU, several times
+slower than materialising the logits), so this mode takes large chunks. On a GPU, 1 GiB
+(1,766 tokens at V/TP = 151,936; with the Triton kernels the chunk's logits are bf16,
+0.5 GiB, overwritten by their gradient): past ~2k tokens per chunk the time gains little
+while the memory grows linearly (``benchmarks/linear_chunk_sweep.py``; docs/benchmarks.md).
+On a CPU the matmuls are slow anyway and 64 MiB keeps the chunk buffers small."""
 
 
 def _device_kind(device: torch.device | str) -> str:

@@ -42,7 +42,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from megatron_rl.configlib import MAX_TIMEOUT_S
+from megatron_rl.config.lib import MAX_TIMEOUT_S
 from megatron_rl.rewards.registry import (
     RewardFunction,
     RewardResult,

@@ -12,7 +12,7 @@ ground_truth)``, so the simplest user reward is a two-argument function returnin
 Names resolve in one of two ways (:func:`get_reward`):
 
 - a registered name: ``@register_reward("name")`` adds to :data:`REWARDS` (a
-  :class:`~megatron_rl.configlib.Registry`); built-ins (``kk_logic``, ``math``,
+  :class:`~megatron_rl.config.lib.Registry`); built-ins (``kk_logic``, ``math``,
   ``toy_copy``) register through the same decorator from their task modules in
   :mod:`megatron_rl.tasks`, so they are registered once ``megatron_rl.tasks`` is imported
   (this package never imports it). A second registration raises, and an unknown name
@@ -43,7 +43,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from megatron_rl.configlib import Registry, UnknownNameError
+from megatron_rl.config.lib import Registry, UnknownNameError
 
 # How much of an exception message is kept in a RewardResult (responses can be long,
 # and an exception message may quote the whole response).

@@ -1,9 +1,9 @@
 """Rollout: the engine interface, the HF and vLLM engines, the Ray engine pool, and the
 one-engine pool inside the driver's process (``rollout.engine_process: driver``).
 
-    from megatron_rl.config import RolloutConfig
+    from megatron_rl.config.rollout import RolloutConfig
     from megatron_rl.rollout import RolloutPool, SamplingParams
-    from megatron_rl.weight_buckets import make_buckets
+    from megatron_rl.weight_sync.buckets import make_buckets
 
     pool = RolloutPool(RolloutConfig(num_engines=2), model_path=ckpt)
     groups = pool.generate(prompt_ids, SamplingParams(n=4, temperature=0.7, seed=step))
@@ -18,22 +18,17 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from megatron_rl.rollout.base import (
-    Completion,
-    EngineAsleepError,
-    RolloutEngine,
-    SamplingParams,
-    derive_seed,
-    prompt_seeds_for,
-)
+from megatron_rl.config.seeding import derive_seed, prompt_seeds_for
+from megatron_rl.rollout.engines.base import EngineAsleepError, RolloutEngine
+from megatron_rl.rollout.generation import Completion, SamplingParams
 
 _LAZY = {
-    "HFEngine": "megatron_rl.rollout.hf_engine",
-    "HFEngineArgs": "megatron_rl.rollout.hf_engine",
-    "VLLMEngine": "megatron_rl.rollout.vllm_engine",
-    "RolloutEngineError": "megatron_rl.rollout.pool",
-    "RolloutPool": "megatron_rl.rollout.pool",
-    "LocalRolloutPool": "megatron_rl.rollout.local_pool",
+    "HFEngine": "megatron_rl.rollout.engines.hf",
+    "HFEngineArgs": "megatron_rl.rollout.engines.hf",
+    "VLLMEngine": "megatron_rl.rollout.engines.vllm",
+    "RolloutEngineError": "megatron_rl.rollout.pool.pool",
+    "RolloutPool": "megatron_rl.rollout.pool.pool",
+    "LocalRolloutPool": "megatron_rl.rollout.pool.local",
 }
 
 __all__ = [

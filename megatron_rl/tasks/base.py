@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from megatron_rl.configlib import Registry, UnknownNameError
+from megatron_rl.config.lib import Registry, UnknownNameError
 from megatron_rl.data.loaders import PromptRow
 from megatron_rl.data.prompts import PLAIN_STYLE, PromptStyle
 from megatron_rl.rewards.registry import RewardFunction, import_by_path, reward_from_callable

@@ -32,7 +32,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from megatron_rl.models.convert import McoreToHfOptions, mcore_to_hf
+from megatron_rl.models.convert.hf_mcore import McoreToHfOptions, mcore_to_hf
 from tests.helpers.actor_job import REPO, run_actor_job
 
 WORKER = REPO / "tests" / "helpers" / "actor_worker.py"

@@ -18,7 +18,7 @@ from megatron_rl.actor.batch import (
     resolve_packing,
 )
 from megatron_rl.actor.weights import concat_tp_shards, take_tp_shard
-from megatron_rl.config import ModelOptions
+from megatron_rl.config.model import ModelOptions
 
 
 def _batch(lengths, L=8, prompt=2) -> ActorBatch:
@@ -166,8 +166,10 @@ def test_actor_spec_from_run_config():
     # The actor reads the run's sections by reference (no copied settings); derived values
     # (the run's optimizer-step count for the LR decay) are properties of the spec.
     from megatron_rl.algo import AlgorithmConfig, LoptiConfig
-    from megatron_rl.builder import actor_spec
-    from megatron_rl.config import ParallelConfig, RunConfig, TrainerConfig
+    from megatron_rl.config.parallel import ParallelConfig
+    from megatron_rl.config.run import RunConfig
+    from megatron_rl.config.trainer import TrainerConfig
+    from megatron_rl.loop.builder import actor_spec
 
     run = RunConfig(
         parallel=ParallelConfig(num_actor_ranks=4, tensor_model_parallel_size=2),
@@ -186,8 +188,9 @@ def test_actor_spec_from_run_config():
 
 def test_fp8_recompute_and_sequence_parallel_reach_the_transformer_config():
     from megatron_rl.actor.model import resolve_use_te, transformer_config_kwargs
-    from megatron_rl.config import ActorConfig, ParallelConfig
-    from megatron_rl.configlib import ConfigError
+    from megatron_rl.config.lib import ConfigError
+    from megatron_rl.config.parallel import ParallelConfig
+    from megatron_rl.config.trainer import ActorConfig
 
     hf = {"model_type": "qwen2", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
           "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 100}  # fmt: skip

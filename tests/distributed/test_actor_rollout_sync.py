@@ -10,15 +10,17 @@ float32 rounding; (3) before the sync they did not (the engine started from othe
 import pytest
 import ray
 
-from megatron_rl.actor.ray_group import ActorGroup
+from megatron_rl.actor.group import ActorGroup
 from megatron_rl.actor.spec import ActorSpec
 from megatron_rl.algo.mismatch import logprob_mismatch
-from megatron_rl.config import ParallelConfig, RolloutConfig, TrainerConfig
-from megatron_rl.experience import build_experience
-from megatron_rl.placement import GroupPlacement
-from megatron_rl.rollout.base import SamplingParams
-from megatron_rl.rollout.hf_engine import HFEngine
-from megatron_rl.rollout.pool import RolloutPool
+from megatron_rl.cluster.placement import GroupPlacement
+from megatron_rl.config.parallel import ParallelConfig
+from megatron_rl.config.rollout import RolloutConfig
+from megatron_rl.config.trainer import TrainerConfig
+from megatron_rl.loop.experience import build_experience
+from megatron_rl.rollout.engines.hf import HFEngine
+from megatron_rl.rollout.generation import SamplingParams
+from megatron_rl.rollout.pool.pool import RolloutPool
 from tests.helpers.rollout_models import ACTOR_HF_CONFIG as HF_CONFIG
 from tests.helpers.rollout_models import save_actor_hf
 

@@ -31,6 +31,15 @@ def report(tmp_path_factory) -> dict:
     return reports[0]
 
 
+def test_rebuilding_the_parallel_state_leaks_no_threads(report):
+    """Each layout's process groups are destroyed before the next one's are made (a leak
+    grew each gloo rank by ~50 threads per layout, hundreds over this job)."""
+    counts = report["thread_counts"]  # before each build; the first 18 builds span 9 layouts
+    assert len(counts) >= 20
+    assert counts[18] - counts[1] <= 32, counts  # a leak: ~50 threads per layout change
+    assert max(counts) - counts[1] <= 128, counts  # megatron's checkpoint writers add a pool later
+
+
 def _same_metrics(pair, tol=TOL):
     a, b = pair
     for ma, mb in zip(a, b, strict=True):

@@ -1,4 +1,4 @@
-"""HF <-> Megatron checkpoint conversion (megatron_rl.models.convert, megatron-rl convert).
+"""HF <-> Megatron checkpoint conversion (megatron_rl.models.convert.hf_mcore, megatron-rl convert).
 
 * HF -> Megatron (TP, PP in {1, 2}) -> HF is bit-exact for every tensor, for Qwen2
   (GQA + untied, MHA + tied), Qwen3 (qk-norm, head_dim != H/nh) and Llama; config,
@@ -16,7 +16,6 @@ from __future__ import annotations
 import errno
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -25,8 +24,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from megatron_rl.commands import convert
-from megatron_rl.models.convert import (
+from megatron_rl.cli import convert
+from megatron_rl.models.convert.hf_mcore import (
     RECORD_FILE,
     ConversionError,
     HfToMcoreOptions,
@@ -34,6 +33,7 @@ from megatron_rl.models.convert import (
     hf_to_mcore,
     mcore_to_hf,
 )
+from tests.helpers.jobs import run_job
 from tests.helpers.tiny_hf import VARIANTS, VOCAB, build_model, save_model, save_tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
@@ -124,7 +124,7 @@ def test_dtype_cast_on_export(mcore_dirs, tmp_path):
 
 def test_dist_checkpoint_keys_match_gpt_model(mcore_dirs):
     """The stored keys and global shapes are the GPTModel sharded_state_dict ones (see the worker for loading)."""
-    from megatron_rl.models.mcore_io import DistCheckpointReader
+    from megatron_rl.models.convert.mcore_io import DistCheckpointReader
 
     reader = DistCheckpointReader(mcore_dirs["qwen3", 2, 1])
     assert reader.tensors["decoder.layers.self_attention.linear_qkv.weight"][0] == (2, (4 + 2 * 2) * 32, 64)
@@ -172,7 +172,7 @@ def test_megatron_logits_match_transformers(hf_dirs, mcore_dirs, tmp_path):
         str(tmp_path),
     ]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    proc = run_job(cmd, cwd=REPO, env=env, timeout_s=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
 
     reports = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("rank*.json"))]
@@ -324,7 +324,7 @@ def test_parallel_sizes_checked(hf_dirs, tmp_path):
 def test_mcore_missing_and_corrupt_files(mcore_dirs, tmp_path):
     import shutil
 
-    from megatron_rl.models.mcore_io import DistCheckpointReader
+    from megatron_rl.models.convert.mcore_io import DistCheckpointReader
 
     src = tmp_path / "mc"
     shutil.copytree(mcore_dirs["qwen2_gqa", 1, 1], src)
@@ -410,7 +410,7 @@ def test_a_full_disk_while_writing_is_a_clear_error_without_output(hf_dirs, mcor
 def test_too_little_free_space_is_refused_before_writing(hf_dirs, tmp_path, monkeypatch, capsys):
     import shutil
 
-    from megatron_rl.models import convert as convert_lib
+    from megatron_rl.models.convert import hf_mcore as convert_lib
 
     monkeypatch.setattr(convert_lib.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**12, 10**12, 1000))
     assert convert.main(["hf-to-mcore", "--hf", str(hf_dirs["llama"]), "--out", str(tmp_path / "out")]) == 1

@@ -10,9 +10,10 @@ ray = pytest.importorskip("ray")
 
 from ray.cluster_utils import Cluster  # noqa: E402
 
-from megatron_rl.config import ParallelConfig, RolloutConfig  # noqa: E402
-from megatron_rl.placement import PlacementError, alive_nodes, place_on_gpus, plan_gpu_placement  # noqa: E402
-from megatron_rl.rollout.worker import EngineWorker  # noqa: E402
+from megatron_rl.cluster.placement import PlacementError, alive_nodes, place_on_gpus, plan_gpu_placement  # noqa: E402
+from megatron_rl.config.parallel import ParallelConfig  # noqa: E402
+from megatron_rl.config.rollout import RolloutConfig
+from megatron_rl.rollout.pool.worker import EngineWorker  # noqa: E402
 from tests.helpers.rollout_models import save_qwen2  # noqa: E402
 
 

@@ -28,7 +28,7 @@ from megatron_rl.algo import (
     stapo_candidates,
     stapo_entropy_threshold,
 )
-from megatron_rl.algo.methods import STAPO_THRESHOLD_KEY
+from megatron_rl.algo.methods.stapo import STAPO_THRESHOLD_KEY
 
 NUM_SEQS, SEQ_LEN, HIDDEN, VOCAB, TEMPERATURE = 16, 8, 6, 11, 0.7
 

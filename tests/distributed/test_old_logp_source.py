@@ -22,12 +22,14 @@ import torch
 ray = pytest.importorskip("ray")
 
 from megatron_rl.actor.batch import ActorBatch  # noqa: E402
-from megatron_rl.actor.ray_group import ActorGroup  # noqa: E402
+from megatron_rl.actor.group import ActorGroup  # noqa: E402
 from megatron_rl.actor.spec import ActorSpec  # noqa: E402
 from megatron_rl.actor.update import old_logp_from_train_forward  # noqa: E402
 from megatron_rl.algo import AlgorithmConfig, ARConfig, LoptiConfig, STAPOConfig, TRGRPOConfig  # noqa: E402
-from megatron_rl.config import ActorConfig, ParallelConfig, RolloutConfig, TrainerConfig  # noqa: E402
-from megatron_rl.placement import GroupPlacement  # noqa: E402
+from megatron_rl.cluster.placement import GroupPlacement  # noqa: E402
+from megatron_rl.config.parallel import ParallelConfig  # noqa: E402
+from megatron_rl.config.rollout import RolloutConfig
+from megatron_rl.config.trainer import ActorConfig, TrainerConfig
 from tests.helpers.rollout_models import ACTOR_HF_CONFIG  # noqa: E402
 
 N, L, PROMPT = 8, 14, 4

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_rl.planner import Architecture, plan_memory
+from megatron_rl.cluster.planner import Architecture, plan_memory
 
 REPO = Path(__file__).resolve().parents[2]
 # One warm-up step (Adam's moments then exist), then the measured step.

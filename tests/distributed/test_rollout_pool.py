@@ -12,13 +12,13 @@ import torch
 
 ray = pytest.importorskip("ray")
 
-from megatron_rl.config import PoolConfig, RolloutConfig  # noqa: E402
-from megatron_rl.placement import GroupPlacement  # noqa: E402
+from megatron_rl.cluster.placement import GroupPlacement  # noqa: E402
+from megatron_rl.config.rollout import PoolConfig, RolloutConfig  # noqa: E402
 from megatron_rl.rollout import RolloutEngineError, RolloutPool, SamplingParams  # noqa: E402
-from megatron_rl.rollout.engine_client import DIED_FOR_GOOD_AFTER_S, wait_until_back  # noqa: E402
-from megatron_rl.rollout.hf_engine import HFEngine  # noqa: E402
-from megatron_rl.weight_buckets import MIB, make_buckets  # noqa: E402
-from megatron_rl.weight_transfer.meta import TensorMeta  # noqa: E402
+from megatron_rl.rollout.engines.hf import HFEngine  # noqa: E402
+from megatron_rl.rollout.pool.recovery import DIED_FOR_GOOD_AFTER_S, wait_until_back  # noqa: E402
+from megatron_rl.weight_sync.buckets import MIB, make_buckets  # noqa: E402
+from megatron_rl.weight_sync.meta import TensorMeta  # noqa: E402
 from tests.helpers.rollout_models import build_qwen2, hf_state, reference_logprobs, save_qwen2  # noqa: E402
 
 PROMPTS = [[1, 2, 3], [5] * 9, [7, 8], list(range(20, 37)), [3], [9, 9, 1, 4]]

@@ -12,14 +12,16 @@ import torch
 
 ray = pytest.importorskip("ray")
 
-from megatron_rl.actor.ray_group import ActorGroup  # noqa: E402
+from megatron_rl.actor.group import ActorGroup  # noqa: E402
 from megatron_rl.actor.spec import ActorSpec  # noqa: E402
-from megatron_rl.config import ParallelConfig, PoolConfig, RolloutConfig, TrainerConfig  # noqa: E402
-from megatron_rl.placement import GroupPlacement  # noqa: E402
+from megatron_rl.cluster.placement import GroupPlacement  # noqa: E402
+from megatron_rl.config.parallel import ParallelConfig  # noqa: E402
+from megatron_rl.config.rollout import PoolConfig, RolloutConfig
+from megatron_rl.config.trainer import TrainerConfig
 from megatron_rl.rollout import RolloutPool  # noqa: E402
-from megatron_rl.weight_buckets import make_buckets  # noqa: E402
-from megatron_rl.weight_sync import WeightSync  # noqa: E402
-from megatron_rl.weight_transfer.meta import TensorMeta  # noqa: E402
+from megatron_rl.weight_sync.buckets import make_buckets  # noqa: E402
+from megatron_rl.weight_sync.meta import TensorMeta  # noqa: E402
+from megatron_rl.weight_sync.sync import WeightSync  # noqa: E402
 from tests.helpers.rollout_models import ACTOR_HF_CONFIG as HF_CONFIG  # noqa: E402
 from tests.helpers.rollout_models import save_actor_hf  # noqa: E402
 

@@ -23,7 +23,7 @@ def tiny_overrides(output_dir, *extra: str) -> list[str]:
 
 
 def tiny_config(output_dir, *extra: str):
-    from megatron_rl.config import load_run_config
+    from megatron_rl.config.run import load_run_config
 
     return load_run_config(EXAMPLE, tiny_overrides(output_dir, *extra))
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
+from megatron_rl.loop.pipeline import make_trainer
 from megatron_rl.observability import read_metrics
-from megatron_rl.trainer import Trainer
 from tests.e2e.conftest import tiny_config
 
 COMPARED = ("rollout/reward/mean", "loss/total", "actor/grad_norm", "loss/approx_kl")
@@ -16,7 +16,7 @@ COMPARED = ("rollout/reward/mean", "loss/total", "actor/grad_norm", "loss/approx
 def _run(tmp_path, name, *overrides):
     cfg = tiny_config(tmp_path / name, "trainer.num_steps=3", "trainer.eval_every_steps=0",
                       "trainer.save_every_steps=0", *overrides)  # fmt: skip
-    trainer = Trainer(cfg)
+    trainer = make_trainer(cfg)
     try:
         trainer.run()
     finally:

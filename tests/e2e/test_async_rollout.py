@@ -4,7 +4,8 @@
   every later step trains on responses exactly one version old, and the data cursor
   advances by one batch per step (no prompt skipped or repeated);
 * both sides' waiting is measured (``timing_s/actor_wait_rollout``, ``timing_s/rollout_wait_actor``);
-* submitting the next step's update before this step is logged (``Trainer._start_next``)
+* submitting the next step's update before this step is logged (``PipelinedTrainer``'s
+  ``submit_early``)
   and the shared-memory weight transport change no number: the run equals one that
   submits each update at its own step and syncs through the object store, step for step;
 * kill -9 while a batch is generated ahead, then resume: each step is logged once and
@@ -13,10 +14,8 @@
 (That it learns like the synchronous run, over 3 seeds: tests/e2e/test_demo_learns.py.)
 """
 
-
-
+from megatron_rl.loop.pipeline import PipelinedTrainer, make_trainer
 from megatron_rl.observability import read_metrics
-from megatron_rl.trainer import Trainer
 from tests.e2e.conftest import kill9_and_resume, tiny_config
 
 ASYNC = ("rollout.placement=disaggregated", "rollout.max_staleness=1", "rollout.tis_cap=2.0")
@@ -24,8 +23,9 @@ STEPS = ("trainer.num_steps=5", "trainer.eval_every_steps=3", "trainer.save_ever
 COMPARED = ("rollout/reward/mean", "loss/total", "actor/grad_norm", "rollout/logp_mismatch/max_abs")
 
 
-def _run(out_dir, *extra):
-    trainer = Trainer(tiny_config(out_dir, *STEPS, *extra))
+def _run(out_dir, *extra, submit_early=True):
+    config = tiny_config(out_dir, *STEPS, *extra)
+    trainer = PipelinedTrainer(config, submit_early=submit_early) if config.rollout.max_staleness else make_trainer(config)
     try:
         trainer.run()
     finally:
@@ -54,14 +54,14 @@ def test_one_step_off_trains_on_one_version_old_responses(tmp_path, ray_session)
 
 def test_early_update_start_and_shared_memory_change_no_number(tmp_path, ray_session, monkeypatch):
     started_early = []
-    start_next = Trainer._start_next
+    submit_next = PipelinedTrainer._submit_next
 
     def spy(self, step):
-        start_next(self, step)
+        submit_next(self, step)
         started_early.append(self._next.step if self._next is not None else None)
 
-    monkeypatch.setattr(Trainer, "_start_next", spy)
-    trainer = Trainer(tiny_config(tmp_path / "early", *STEPS, *ASYNC, "parallel.cpu_threads=1"))
+    monkeypatch.setattr(PipelinedTrainer, "_submit_next", spy)
+    trainer = PipelinedTrainer(tiny_config(tmp_path / "early", *STEPS, *ASYNC, "parallel.cpu_threads=1"))
     try:
         assert trainer.parts.weight_sync.transport == "shared_memory"  # auto, on one CPU node
         trainer.run()
@@ -73,8 +73,9 @@ def test_early_update_start_and_shared_memory_change_no_number(tmp_path, ray_ses
     # generation thread had not even begun it when the step synced).
     assert started_early[1::2] == [None, None] and started_early[4] is None
     assert {2, 4} & set(started_early)
-    monkeypatch.setattr(Trainer, "_may_start_next", lambda self, step: False)
-    plain = _run(tmp_path / "plain", *ASYNC, "parallel.cpu_threads=1", "rollout.weight_transport=object_store")
+    monkeypatch.undo()
+    plain = _run(tmp_path / "plain", *ASYNC, "parallel.cpu_threads=1", "rollout.weight_transport=object_store",
+                 submit_early=False)
     assert sorted(early) == sorted(plain) == [1, 2, 3, 4, 5]
     for step in early:
         for key in (*COMPARED, "data/position", "rollout/weight_version/min"):

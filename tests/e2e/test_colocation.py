@@ -10,8 +10,8 @@ the gradient buffers and moving the train state changes no number.
 import pytest
 import ray
 
+from megatron_rl.loop.pipeline import make_trainer
 from megatron_rl.observability import read_metrics
-from megatron_rl.trainer import Trainer
 from tests.e2e.conftest import tiny_config
 
 STEPS = ("trainer.num_steps=3", "trainer.eval_every_steps=0", "trainer.save_every_steps=2")
@@ -19,7 +19,7 @@ COMPARED = ("rollout/reward/mean", "loss/total", "actor/grad_norm", "loss/approx
 
 
 def _run(out_dir, placement, ray_session):
-    trainer = Trainer(tiny_config(out_dir, *STEPS, f"rollout.placement={placement}", "algorithm.kl_coef=0.01"))
+    trainer = make_trainer(tiny_config(out_dir, *STEPS, f"rollout.placement={placement}", "algorithm.kl_coef=0.01"))
     try:
         last = trainer.run()
         engine = ray.get(trainer.parts.pool.actors[0].get_transitions.remote())

@@ -11,8 +11,8 @@ import statistics
 
 import pytest
 
+from megatron_rl.loop.pipeline import make_trainer
 from megatron_rl.observability import read_metrics
-from megatron_rl.trainer import Trainer
 from tests.e2e.conftest import tiny_config
 
 NUM_STEPS, WINDOW = 200, 25
@@ -33,7 +33,7 @@ def test_tiny_demo_reward_rises_beyond_noise(seed, mode, tmp_path, ray_session):
         tmp_path, f"trainer.num_steps={NUM_STEPS}", f"trainer.seed={seed}", "trainer.eval_every_steps=0",
         "trainer.save_every_steps=0", "logging.token_diagnostics=false", *MODES[mode],
     )  # fmt: skip
-    trainer = Trainer(cfg)
+    trainer = make_trainer(cfg)
     try:
         trainer.run()
     finally:

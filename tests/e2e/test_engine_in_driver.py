@@ -12,8 +12,8 @@ import os
 
 import pytest
 
+from megatron_rl.loop.pipeline import make_trainer
 from megatron_rl.observability import read_metrics
-from megatron_rl.trainer import Trainer
 from tests.e2e.conftest import tiny_config
 
 STEPS = ("trainer.num_steps=4", "trainer.eval_every_steps=2", "trainer.save_every_steps=0", "parallel.cpu_threads=1")
@@ -23,7 +23,7 @@ COMPARED = ("rollout/reward/mean", "loss/total", "loss/pg_loss", "actor/grad_nor
 
 
 def _run(out_dir, *extra):
-    trainer = Trainer(tiny_config(out_dir, *STEPS, *extra))
+    trainer = make_trainer(tiny_config(out_dir, *STEPS, *extra))
     try:
         engine_pid = trainer.parts.pool.health()[0]["pid"]
         trainer.run()

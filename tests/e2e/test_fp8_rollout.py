@@ -3,15 +3,15 @@ the log-prob mismatch metric shows the FP8 drift that the float32 run does not h
 
 import math
 
+from megatron_rl.loop.pipeline import make_trainer
 from megatron_rl.observability import read_metrics
-from megatron_rl.trainer import Trainer
 from tests.e2e.conftest import tiny_config
 
 STEPS = ("trainer.num_steps=3", "trainer.eval_every_steps=0", "trainer.save_every_steps=0")
 
 
 def _rows(out_dir, *extra):
-    trainer = Trainer(tiny_config(out_dir, *STEPS, *extra))
+    trainer = make_trainer(tiny_config(out_dir, *STEPS, *extra))
     try:
         trainer.run()
         return {r["step"]: r for r in read_metrics(trainer.parts.checkpoint_dir.parent)}

@@ -26,10 +26,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_rl import commands as cli
-from megatron_rl.checkpoint_integrity import checkpoint_files, file_digest, write_manifest
-from megatron_rl.commands.reaper import descendants, process_start_time
+from megatron_rl import cli
+from megatron_rl.cli.reaper import descendants, process_start_time
 from megatron_rl.observability import read_metrics
+from megatron_rl.storage.checkpoints import checkpoint_files, file_digest, write_manifest
 from tests.e2e.conftest import EXAMPLE, ROOT, TOY, tiny_overrides
 from tests.helpers.checkpoints import CORRUPTIONS, largest_shard
 
@@ -162,7 +162,7 @@ def test_a_truncated_latest_resumes_from_the_previous_one_and_a_poisoned_rng_fil
 def test_lr_1e30_never_makes_destroyed_weights_the_latest_checkpoint(tmp_path):
     from safetensors.torch import load_file
 
-    from megatron_rl.models.convert import McoreToHfOptions, mcore_to_hf
+    from megatron_rl.models.convert.hf_mcore import McoreToHfOptions, mcore_to_hf
 
     # Warm-up: step 1 trains at lr 0 (a good checkpoint), step 2 at 5e29, which sets the
     # weights near 1e29 - still finite numbers, but no forward pass through them is.

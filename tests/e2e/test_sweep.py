@@ -2,11 +2,11 @@
 run a real ``megatron-rl train`` process, then the comparison table, JSON and plot."""
 
 import json
-import subprocess
 import sys
 
 from megatron_rl.observability import read_metrics
 from tests.e2e.conftest import EXAMPLE, ROOT, tiny_overrides
+from tests.helpers.jobs import run_job
 
 NUM_STEPS = 20
 
@@ -17,7 +17,7 @@ def test_sweep_two_methods_two_seeds(tmp_path):
                                "trainer.save_every_steps=0")  # fmt: skip
     cmd = [sys.executable, "-m", "megatron_rl", "sweep", str(EXAMPLE), *overrides,
            "--methods", "grpo,ar", "--seeds", "2", "--out", str(out), "--threshold", "0.0"]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1200)
+    proc = run_job(cmd, cwd=ROOT, timeout_s=1200)
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
     seeds = {}
@@ -44,5 +44,5 @@ def test_sweep_two_methods_two_seeds(tmp_path):
     assert (out / "comparison.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     # a second sweep keeps the finished runs and rewrites the comparison
-    again = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    again = run_job(cmd, cwd=ROOT, timeout_s=600)
     assert again.returncode == 0 and again.stderr.count("complete, kept") == 4, again.stderr

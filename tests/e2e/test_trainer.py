@@ -10,10 +10,10 @@ import pytest
 import torch
 import yaml
 
-from megatron_rl.config import load_run_config
+from megatron_rl.config.run import load_run_config
 from megatron_rl.data.loaders import DataError
+from megatron_rl.loop.trainer import NonFiniteStepsError, Trainer
 from megatron_rl.observability import read_metrics
-from megatron_rl.trainer import NonFiniteStepsError, Trainer
 from tests.e2e.conftest import EXAMPLE, ROOT, kill9_and_resume, tiny_config, tiny_overrides
 
 METHOD_KEYS = {
@@ -26,8 +26,8 @@ METHOD_KEYS = {
 }
 
 
-def run(cfg, trainer_cls=Trainer):
-    trainer = trainer_cls(cfg)
+def run(cfg):
+    trainer = Trainer(cfg)
     try:
         return trainer.run(), trainer
     finally:
@@ -41,7 +41,7 @@ def test_each_paper_method_config_runs_two_steps(method, tmp_path, ray_session):
         algorithm = yaml.safe_load(f)["algorithm"]
     cfg = tiny_config(tmp_path, "trainer.num_steps=2", "trainer.eval_every_steps=0", "trainer.save_every_steps=0")
     from megatron_rl.algo.config import AlgorithmConfig
-    from megatron_rl.configlib import from_dict
+    from megatron_rl.config.lib import from_dict
 
     cfg.algorithm = from_dict(AlgorithmConfig, algorithm, "algorithm")
     last, _ = run(cfg)
@@ -55,21 +55,26 @@ def test_each_paper_method_config_runs_two_steps(method, tmp_path, ray_session):
     assert (cfg.run_dir / "checkpoints" / "step_000002").is_dir()
 
 
-class NaNAt(Trainer):
-    """Injects NaN advantages at the given steps (through the trainer's own hook)."""
+def nan_advantages_at(monkeypatch, *steps: int) -> None:
+    """NaN advantages at RL steps ``steps`` (the loop computes one step's advantages per call)."""
+    from megatron_rl.loop import step as step_module
 
-    nan_steps: tuple[int, ...] = ()
+    compute = step_module.compute_advantages
+    calls = []
 
-    def compute_advantages(self, rewards, exp):
-        adv = super().compute_advantages(rewards, exp)
-        return adv * float("nan") if self.step in self.nan_steps else adv
+    def nan_at(rewards, group_index, config):
+        calls.append(None)
+        adv = compute(rewards, group_index, config)
+        return adv * float("nan") if len(calls) in steps else adv
+
+    monkeypatch.setattr(step_module, "compute_advantages", nan_at)
 
 
-def test_nan_step_is_skipped_and_counted(tmp_path, ray_session):
+def test_nan_step_is_skipped_and_counted(tmp_path, ray_session, monkeypatch):
     cfg = tiny_config(tmp_path, "trainer.num_steps=3", "trainer.eval_every_steps=0", "trainer.save_every_steps=0",
                       "trainer.save_final=false")  # fmt: skip
-    NaNAt.nan_steps = (2,)
-    run(cfg, NaNAt)
+    nan_advantages_at(monkeypatch, 2)
+    run(cfg)
     assert not any((cfg.run_dir / "checkpoints").glob("step_*"))  # save_final=false: no checkpoint at all
     rec = {r["step"]: r for r in read_metrics(cfg.run_dir)}
     assert rec[1]["actor/step_skipped"] == 0 and rec[3]["actor/step_skipped"] == 0
@@ -77,14 +82,14 @@ def test_nan_step_is_skipped_and_counted(tmp_path, ray_session):
     assert rec[3]["actor/optimizer_steps_total"] == 2  # steps 1 and 3 updated
 
 
-def test_consecutive_nonfinite_steps_stop_with_last_good_checkpoint(tmp_path, ray_session):
+def test_consecutive_nonfinite_steps_stop_with_last_good_checkpoint(tmp_path, ray_session, monkeypatch):
     cfg = tiny_config(
         tmp_path, "trainer.num_steps=5", "trainer.eval_every_steps=0", "trainer.save_every_steps=1",
         "trainer.max_consecutive_nonfinite_steps=2",
     )  # fmt: skip
-    NaNAt.nan_steps = (2, 3)
+    nan_advantages_at(monkeypatch, 2, 3)
     with pytest.raises(NonFiniteStepsError, match="2 consecutive steps"):
-        run(cfg, NaNAt)
+        run(cfg)
     ckpts = cfg.run_dir / "checkpoints"
     assert (ckpts / "latest").read_text().strip() == "step_000001"
     assert sorted(p.name for p in ckpts.iterdir() if p.is_dir()) == ["step_000001"]

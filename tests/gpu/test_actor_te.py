@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -22,6 +21,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.helpers.jobs import run_job
 from tests.helpers.tiny_hf import save_model
 
 pytestmark = pytest.mark.gpu
@@ -38,7 +38,7 @@ def test_actor_with_transformer_engine(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(gpus),
            str(WORKER), str(tmp_path / "spec.json"), str(tmp_path)]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    proc = run_job(cmd, cwd=REPO, env=env, timeout_s=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-8000:]
     report = json.loads((tmp_path / "report.json").read_text())
     print(json.dumps(report, indent=2))

@@ -13,11 +13,12 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.helpers.jobs import run_job
 
 pytestmark = pytest.mark.gpu
 REPO = Path(__file__).resolve().parents[2]
@@ -34,7 +35,7 @@ def test_every_case_runs_on_cuda(tmp_path):
         "--out",
         str(tmp_path),
     ]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    proc = run_job(cmd, cwd=REPO, env=env, timeout_s=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-6000:]
     records = [json.loads(line) for line in (tmp_path / "gpu_suite.jsonl").read_text().splitlines()]
     for case in ("loss", "linear", "actor", "engine", "logprob"):

@@ -13,7 +13,7 @@ import torch
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed (pip install -e '.[gpu]' on CUDA machines)")
 
 from megatron_rl.rollout import SamplingParams  # noqa: E402
-from megatron_rl.rollout.vllm_engine import VLLMEngine  # noqa: E402
+from megatron_rl.rollout.engines.vllm import VLLMEngine  # noqa: E402
 from tests.helpers.rollout_models import (  # noqa: E402
     VLLM_MODEL,
     build_qwen2,

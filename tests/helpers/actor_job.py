@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from collections.abc import Iterable
 from pathlib import Path
 
-from megatron_rl.models.convert import HfToMcoreOptions, hf_to_mcore
+from megatron_rl.models.convert.hf_mcore import HfToMcoreOptions, hf_to_mcore
+from tests.helpers.jobs import run_job
 from tests.helpers.tiny_hf import save_model
 
 REPO = Path(__file__).resolve().parents[2]
@@ -33,6 +33,6 @@ def run_actor_job(
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
            str(worker), str(root / "spec.json"), str(out)]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s)
+    proc = run_job(cmd, cwd=REPO, env=env, timeout_s=timeout_s)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-8000:]
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(nproc)], spec, out

@@ -12,6 +12,7 @@ Usage::
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 N, L, PROMPT = 8, 20, 5
@@ -43,7 +44,9 @@ def run(spec: dict) -> dict:
     from megatron_rl.actor.reference import ReferencePolicy
     from megatron_rl.actor.spec import ActorSpec
     from megatron_rl.algo import AlgorithmConfig, ARConfig, LoptiConfig, STAPOConfig
-    from megatron_rl.config import ActorConfig, ParallelConfig, RolloutConfig, TrainerConfig
+    from megatron_rl.config.parallel import ParallelConfig
+    from megatron_rl.config.rollout import RolloutConfig
+    from megatron_rl.config.trainer import ActorConfig, TrainerConfig
 
     world = dist.get_world_size()
     base, noise = make_batch(250)
@@ -69,7 +72,12 @@ def run(spec: dict) -> dict:
             algorithm=algorithm,
         )  # fmt: skip
 
+    thread_counts: list[int] = []
+
     def build(cls, s: ActorSpec):
+        # Threads of this process at each (re-)initialisation of the parallel state: flat
+        # when the previous layout's process groups are destroyed (actor.launch.destroy_parallel).
+        thread_counts.append(len(os.listdir("/proc/self/task")))
         groups = initialize_parallel(
             tensor_model_parallel_size=s.parallel.tensor_model_parallel_size,
             pipeline_model_parallel_size=s.parallel.pipeline_model_parallel_size,
@@ -269,6 +277,7 @@ def run(spec: dict) -> dict:
     except ValueError as exc:
         kind["cross_required_error"] = str(exc)
     report["optimizer_kind"] = kind
+    report["thread_counts"] = thread_counts
     return report
 
 

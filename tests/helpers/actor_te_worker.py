@@ -34,7 +34,9 @@ def run(spec: dict) -> dict:
     from megatron_rl.actor.batch import ActorBatch
     from megatron_rl.actor.launch import initialize_parallel
     from megatron_rl.actor.spec import ActorSpec
-    from megatron_rl.config import ModelOptions, ParallelConfig, TrainerConfig
+    from megatron_rl.config.model import ModelOptions
+    from megatron_rl.config.parallel import ParallelConfig
+    from megatron_rl.config.trainer import TrainerConfig
 
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 250, (N, L), generator=g)

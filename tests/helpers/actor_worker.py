@@ -100,12 +100,15 @@ def run(spec: dict, out_dir: Path) -> dict:
     import torch.distributed as dist
     from safetensors.torch import load_file
 
-    from megatron_rl.actor import checkpoint as ckpt
     from megatron_rl.actor.actor import MegatronActor
     from megatron_rl.actor.batch import ActorBatch
     from megatron_rl.actor.launch import initialize_parallel
+    from megatron_rl.actor.optimizer import adam_step
     from megatron_rl.actor.spec import ActorSpec
-    from megatron_rl.config import ModelOptions, ParallelConfig, RolloutConfig, TrainerConfig
+    from megatron_rl.config.model import ModelOptions
+    from megatron_rl.config.parallel import ParallelConfig
+    from megatron_rl.config.rollout import RolloutConfig
+    from megatron_rl.config.trainer import TrainerConfig
 
     rank = dist.get_rank()
     work = Path(spec["work_dir"])
@@ -191,7 +194,7 @@ def run(spec: dict, out_dir: Path) -> dict:
         m2 = actor.train_step(batch, algorithm=second, phase="low")
         entry["step2"] = m2
         weights_step2[key] = hf_weights(actor)
-        entry["adam_step"] = ckpt.adam_step(actor.optimizer)
+        entry["adam_step"] = adam_step(actor.optimizer)
         if key == "tp1_pp2":
             # A NaN advantage on a trained token: the step must be skipped, nothing changes.
             bad = rl_batch(logps["tp1_pp1"])
@@ -202,7 +205,7 @@ def run(spec: dict, out_dir: Path) -> dict:
             entry["nan_step"] = {
                 "metrics": {k: m_nan[k] for k in ("loss/total", *COUNTERS)},
                 "weights_unchanged": max_diff(before, hf_weights(actor)) == 0.0,
-                "adam_step": ckpt.adam_step(actor.optimizer),
+                "adam_step": adam_step(actor.optimizer),
             }
             m_after = actor.train_step(batch, algorithm=first)
             entry["after_nan_step"] = {k: m_after[k] for k in COUNTERS}
@@ -227,7 +230,7 @@ def run(spec: dict, out_dir: Path) -> dict:
         "record": {k: record.get(k) for k in ("loaded_optimizer", "train_steps", "optimizer_steps", "adam_step")},
         "optimizer_keys_equal": sorted(loaded_opt) == sorted(saved_opt),
         "optimizer_state_max_diff": max(float((loaded_opt[k] - saved_opt[k]).abs().max()) for k in saved_opt),
-        "adam_step_after_load": ckpt.adam_step(actor.optimizer),
+        "adam_step_after_load": adam_step(actor.optimizer),
         "counters": [actor.train_steps, actor.optimizer_steps, actor.skipped_steps],
         "scheduler_steps": actor.scheduler.num_steps,
     }
@@ -235,7 +238,7 @@ def run(spec: dict, out_dir: Path) -> dict:
     resume["step2"] = m2
     resume["step2_continuous"] = report["layouts"]["tp2_pp1"]["step2"]
     resume["weights_bit_identical"] = max_diff(hf_weights(actor), weights_step2["tp2_pp1"]) == 0.0
-    resume["adam_step_after_step"] = ckpt.adam_step(actor.optimizer)
+    resume["adam_step_after_step"] = adam_step(actor.optimizer)
     resume["seconds"] = time.perf_counter() - start
     report["resume"] = resume
 
@@ -246,7 +249,7 @@ def run(spec: dict, out_dir: Path) -> dict:
     report["reshard_optimizer_tp2_to_pp2"] = {
         "loaded_optimizer": record["loaded_optimizer"],
         "optimizer_sharding": record["optimizer_sharding"],
-        "adam_step_after_step": ckpt.adam_step(actor.optimizer),
+        "adam_step_after_step": adam_step(actor.optimizer),
         "loss": [m2["loss/total"], report["layouts"]["tp2_pp1"]["step2"]["loss/total"]],
         "grad_norm": [m2["actor/grad_norm"], report["layouts"]["tp2_pp1"]["step2"]["actor/grad_norm"]],
         "weights_vs_continuous": max_diff(hf_weights(actor), weights_step2["tp2_pp1"]),

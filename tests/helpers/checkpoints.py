@@ -1,6 +1,6 @@
 """Stand-in training checkpoints: the files of a real one, written in milliseconds.
 
-``make_checkpoint`` writes what ``megatron_rl.checkpoint_integrity`` checks (the driver's
+``make_checkpoint`` writes what ``megatron_rl.storage.checkpoints`` checks (the driver's
 state in ``actor_state.json``, ``metadata.json``, ``.metadata``, ``common.pt``, a shard, an
 RNG file, the manifest) and points ``latest`` at it; nothing in it can be loaded by the
 actor. The optimizer settings default to those of ``examples/tiny_cpu.yaml``.
@@ -16,14 +16,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from megatron_rl.checkpoint_integrity import checkpoint_files, file_digest, write_latest, write_manifest
+from megatron_rl.storage.checkpoints import checkpoint_files, file_digest, write_latest, write_manifest
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tiny_cpu.yaml"
 
 
 def tiny_scheduler() -> dict[str, Any]:
     """The scheduler state a run of ``examples/tiny_cpu.yaml`` saves (its optimizer settings)."""
-    from megatron_rl.config import load_run_config
+    from megatron_rl.config.run import load_run_config
 
     t = load_run_config(EXAMPLE).trainer
     return {"max_lr": t.lr, "min_lr": t.min_lr, "lr_warmup_steps": t.lr_warmup_steps, "lr_decay_style": t.lr_schedule,
@@ -31,7 +31,7 @@ def tiny_scheduler() -> dict[str, Any]:
 
 
 def tiny_adam() -> dict[str, float]:
-    from megatron_rl.config import load_run_config
+    from megatron_rl.config.run import load_run_config
 
     t = load_run_config(EXAMPLE).trainer
     return {"beta1": t.adam_beta1, "beta2": t.adam_beta2, "eps": t.adam_eps}

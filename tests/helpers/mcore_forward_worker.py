@@ -31,7 +31,7 @@ def _run_job(job: dict, world_size: int) -> dict | None:
     from megatron.core.transformer.transformer_config import TransformerConfig
     from transformers import AutoModelForCausalLM
 
-    from megatron_rl.actor import cpu_shim
+    from megatron_rl.actor.compat import cpu_shim
     from megatron_rl.models import adapter_for_config, padded_vocab_size
 
     tp, pp = job["tp"], job["pp"]
@@ -108,7 +108,7 @@ def main() -> None:
     jobs = json.loads(Path(sys.argv[1]).read_text())
     out_dir = Path(sys.argv[2])
     dist.init_process_group("gloo")
-    from megatron_rl.actor import cpu_shim
+    from megatron_rl.actor.compat import cpu_shim
 
     first, second = cpu_shim.apply(), cpu_shim.apply()
     results = {"shim_first_apply": first, "shim_second_apply": second, "jobs": []}

@@ -81,7 +81,9 @@ def run(spec: dict) -> dict:
     from megatron_rl.actor.batch import ActorBatch
     from megatron_rl.actor.launch import initialize_parallel
     from megatron_rl.actor.spec import ActorSpec
-    from megatron_rl.config import ActorConfig, ParallelConfig, RolloutConfig, TrainerConfig
+    from megatron_rl.config.parallel import ParallelConfig
+    from megatron_rl.config.rollout import RolloutConfig
+    from megatron_rl.config.trainer import ActorConfig, TrainerConfig
     from tests.helpers.tiny_hf import VOCAB
 
     hf_dir = spec["variants"]["qwen2_gqa"]["hf_dir"]

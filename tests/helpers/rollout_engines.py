@@ -11,8 +11,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from megatron_rl.rollout.hf_engine import HFEngine
-from megatron_rl.rollout.vllm_engine import VLLMEngine  # imports vllm only when constructed
+from megatron_rl.rollout.engines.hf import HFEngine
+from megatron_rl.rollout.engines.vllm import VLLMEngine  # imports vllm only when constructed
 
 
 class FaultOnce:

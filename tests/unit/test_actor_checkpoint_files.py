@@ -1,4 +1,4 @@
-"""What the actor writes besides the tensors (``megatron_rl/actor/checkpoint.py``): the RNG files
+"""What the actor writes besides the tensors (``megatron_rl/actor/checkpoint/save_load.py``): the RNG files
 are tensors and numbers only and load with ``weights_only=True``, so a crafted pickle in a
 checkpoint is refused instead of run; the finiteness check of the parameters."""
 
@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_rl.actor import checkpoint as ckpt
+from megatron_rl.actor.checkpoint import rng
+from megatron_rl.actor.checkpoint import save_load as ckpt
 
 
 class _Payload:
@@ -28,7 +29,7 @@ def test_a_crafted_rng_file_is_refused_and_runs_nothing(tmp_path):
     marker, path = tmp_path / "pwned", tmp_path / "rank0.pt"
     torch.save({"layout": {"tp": 1, "pp": 1, "dp": 1}, "state": _Payload(marker)}, path)
     with pytest.warns(UserWarning, match="not a tensor-only RNG file, so it was not unpickled"):
-        assert ckpt._load_rng_file(path) is None
+        assert rng.load_rng_file(path) is None
     assert not marker.exists()
     torch.load(path, weights_only=False)  # what the old loader did: the payload is live
     assert marker.exists()
@@ -39,14 +40,14 @@ def test_rng_state_round_trips_through_a_weights_only_file(tmp_path):
     np.random.seed(2)
     torch.manual_seed(3)
     path = tmp_path / "rank0.pt"
-    torch.save({"layout": {"tp": 1, "pp": 1, "dp": 1}, "state": ckpt._rng_state()}, path)
+    torch.save({"layout": {"tp": 1, "pp": 1, "dp": 1}, "state": rng.rng_state()}, path)
     expected = (random.random(), float(np.random.rand()), torch.rand(1).item(), np.random.randn())
     random.seed(9)
     np.random.seed(9)
     torch.manual_seed(9)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a weights_only refusal would warn
-        ckpt._set_rng_state(ckpt._load_rng_file(path))
+        rng.set_rng_state(rng.load_rng_file(path))
     assert (random.random(), float(np.random.rand()), torch.rand(1).item(), np.random.randn()) == expected
 
 

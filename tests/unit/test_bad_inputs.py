@@ -2,7 +2,7 @@
 starts, with exit code 2, an ``error:`` line naming the field, file or row, and no traceback.
 
 The table runs in-process with ``--dry-run`` (the dry run and the real run share one
-pre-flight, ``megatron_rl/preflight.py``; an uncaught exception would fail the test as a
+pre-flight, ``megatron_rl/loop/preflight.py``; an uncaught exception would fail the test as a
 traceback would), a few cases run as real ``python -m megatron_rl train`` subprocesses,
 and ``tests/e2e/test_reliability.py`` shows a real run stopping before Ray starts.
 Checkpoint cases use stand-in checkpoints (``tests/helpers/checkpoints.py``).
@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from megatron_rl import commands as cli
+from megatron_rl import cli
 from tests.helpers.checkpoints import make_checkpoint, tiny_scheduler
 
 REPO = Path(__file__).resolve().parents[2]

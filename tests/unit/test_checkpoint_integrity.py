@@ -1,4 +1,4 @@
-"""Checkpoints as files (``megatron_rl/checkpoint_integrity.py``): the manifest, the ``latest``
+"""Checkpoints as files (``megatron_rl/storage/checkpoints.py``): the manifest, the ``latest``
 pointer, and the fallback past broken checkpoints, on small stand-in checkpoints.
 
 A stand-in has the files of a real one (``actor_state.json`` with a trainer state,
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_rl.checkpoint_integrity import (
+from megatron_rl.storage.checkpoints import (
     CheckpointError,
     choose_checkpoint,
     read_latest,

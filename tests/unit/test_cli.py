@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from megatron_rl import commands as cli
-from megatron_rl.config import load_run_config
-from megatron_rl.configlib import to_dict
+from megatron_rl import cli
+from megatron_rl.config.lib import to_dict
+from megatron_rl.config.run import load_run_config
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = str(REPO / "examples" / "tiny_cpu.yaml")

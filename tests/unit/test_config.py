@@ -8,20 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_rl.config import (
-    DOCS_PATH,
-    DataConfig,
-    LoggingConfig,
-    ModelConfig,
-    ParallelConfig,
-    RolloutConfig,
-    RunConfig,
-    TinyModelConfig,
-    TrainerConfig,
-    config_reference,
-    load_run_config,
-)
-from megatron_rl.configlib import (
+from megatron_rl.config.data import DataConfig, LoggingConfig
+from megatron_rl.config.lib import (
     ConfigError,
     ConfigRenameWarning,
     ConfigWarning,
@@ -30,6 +18,11 @@ from megatron_rl.configlib import (
     iter_sections,
     save_resolved,
 )
+from megatron_rl.config.model import ModelConfig, TinyModelConfig
+from megatron_rl.config.parallel import ParallelConfig
+from megatron_rl.config.rollout import RolloutConfig
+from megatron_rl.config.run import DOCS_PATH, RunConfig, config_reference, load_run_config
+from megatron_rl.config.trainer import TrainerConfig
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "tiny_cpu.yaml"

@@ -14,7 +14,7 @@ from typing import Any, Literal
 import pytest
 import yaml
 
-from megatron_rl.configlib import (
+from megatron_rl.config.lib import (
     ALLOW_NONFINITE,
     ConfigError,
     ConfigRenameWarning,

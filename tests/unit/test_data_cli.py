@@ -8,7 +8,7 @@ import json
 import pytest
 
 import megatron_rl.tasks  # noqa: F401  (registers the built-in rewards)
-from megatron_rl.commands import generate_data as cli
+from megatron_rl.cli import generate_data as cli
 from megatron_rl.data import load_rows, parquet_available
 from megatron_rl.rewards import score_batch
 

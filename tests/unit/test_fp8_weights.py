@@ -1,4 +1,4 @@
-"""FP8 rollout weights (``weight_transfer.fp8``): the block-wise e4m3 format's error bound,
+"""FP8 rollout weights (``weight_sync.fp8``): the block-wise e4m3 format's error bound,
 its wire layout, pairing on the receiver, and the built-in engine loading it."""
 
 import math
@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-from megatron_rl.configlib import ConfigError
-from megatron_rl.weight_transfer.fp8 import (
+from megatron_rl.config.lib import ConfigError
+from megatron_rl.weight_sync.fp8 import (
     BLOCK,
     Dequantizer,
     Fp8Source,
@@ -17,7 +17,7 @@ from megatron_rl.weight_transfer.fp8 import (
     scale_name,
     wire_metas,
 )
-from megatron_rl.weight_transfer.meta import TensorMeta, WeightUpdateError
+from megatron_rl.weight_sync.meta import TensorMeta, WeightUpdateError
 
 
 def _weights():
@@ -95,7 +95,7 @@ def test_dequantizer_pairs_weights_and_scales_across_chunks_in_any_order():
 
 
 def test_hf_engine_loads_fp8_updates_and_refuses_plain_ones(tmp_path):
-    from megatron_rl.rollout.hf_engine import HFEngine
+    from megatron_rl.rollout.engines.hf import HFEngine
     from tests.helpers.rollout_models import hf_state, save_qwen2
 
     directory = save_qwen2(tmp_path / "m", seed=0)
@@ -116,9 +116,11 @@ def test_hf_engine_loads_fp8_updates_and_refuses_plain_ones(tmp_path):
 
 
 def test_fp8_needs_an_engine_that_reads_it():
-    from megatron_rl.config import RolloutConfig
-    from megatron_rl.weight_sync import resolve_transport
+    from megatron_rl.config.rollout import RolloutConfig
+    from megatron_rl.rollout.pool.worker import engine_class
+    from megatron_rl.weight_sync.sync import resolve_transport
 
-    assert resolve_transport(RolloutConfig(weight_dtype="fp8"), cuda=False) == ("shared_memory", "object_store")
+    transport = resolve_transport(RolloutConfig(weight_dtype="fp8"), engine_class("hf"), cuda=False)
+    assert transport == ("shared_memory", "object_store")
     with pytest.raises(ConfigError, match="rollout.weight_dtype"):
-        resolve_transport(RolloutConfig(engine="vllm", weight_dtype="fp8"), cuda=False)
+        resolve_transport(RolloutConfig(engine="vllm", weight_dtype="fp8"), engine_class("vllm"), cuda=False)

@@ -12,13 +12,13 @@ import os
 
 import pytest
 
-from megatron_rl.config import PoolConfig, RolloutConfig
-from megatron_rl.configlib import ConfigError
+from megatron_rl.config.lib import ConfigError
+from megatron_rl.config.rollout import PoolConfig, RolloutConfig
 from megatron_rl.rollout import RolloutEngineError, SamplingParams
-from megatron_rl.rollout.hf_engine import HFEngine
-from megatron_rl.rollout.local_pool import LocalRolloutPool
-from megatron_rl.weight_buckets import MIB, make_buckets
-from megatron_rl.weight_transfer.meta import TensorMeta
+from megatron_rl.rollout.engines.hf import HFEngine
+from megatron_rl.rollout.pool.local import LocalRolloutPool
+from megatron_rl.weight_sync.buckets import MIB, make_buckets
+from megatron_rl.weight_sync.meta import TensorMeta
 from tests.helpers.rollout_models import hf_state, save_qwen2
 
 PROMPTS = [[1, 2, 3], [5] * 9, [7, 8], list(range(20, 37)), [3], [9, 9, 1, 4]]

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from megatron_rl.actor.policy import check_loss_kernel
-from megatron_rl.configlib import ConfigError
+from megatron_rl.config.lib import ConfigError
 
 
 def test_triton_on_a_cpu_actor_names_the_field(monkeypatch):

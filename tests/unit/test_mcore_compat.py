@@ -1,4 +1,4 @@
-"""``megatron_rl.mcore_compat`` takes the branch of the megatron-core that is installed.
+"""``megatron_rl.actor.compat.versions`` takes the branch of the megatron-core that is installed.
 
 Run under each megatron-core of the matrix (0.16.1 here, 0.19.2 by
 ``tools/ci_mcore_matrix.sh``): the checks hold for whichever is installed, with real
@@ -16,7 +16,7 @@ import torch
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
-from megatron_rl import mcore_compat
+from megatron_rl.actor.compat import versions as mcore_compat
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -77,8 +77,8 @@ _DDP_SYNC = textwrap.dedent(
     """
     import torch, torch.distributed as dist
     dist.init_process_group("gloo", init_method="tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    from megatron_rl import mcore_compat
-    from megatron_rl.actor import cpu_shim
+    from megatron_rl.actor.compat import versions as mcore_compat
+    from megatron_rl.actor.compat import cpu_shim
     from megatron_rl.actor.launch import initialize_parallel
     initialize_parallel()
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -111,7 +111,7 @@ _DDP_SYNC = textwrap.dedent(
 def test_ddp_gradient_sync_runs_on_cpu_with_the_shim():
     if torch.cuda.is_available():
         pytest.skip("the CPU shim is a no-op with CUDA")
-    from megatron_rl.weight_transfer.gloo import free_port
+    from megatron_rl.weight_sync.transports.gloo import free_port
 
     proc = subprocess.run(
         [sys.executable, "-c", _DDP_SYNC.format(port=free_port())],
@@ -130,7 +130,7 @@ def test_suspended_steps_out_of_the_shims_mode_and_back():
     it, also after an exception; ``None`` (CUDA) does nothing."""
     if torch.cuda.is_available():
         pytest.skip("the CPU shim's mode is a no-op with CUDA")
-    from megatron_rl.actor import cpu_shim
+    from megatron_rl.actor.compat import cpu_shim
 
     with cpu_shim.cuda_to_cpu() as mode:
         assert torch.zeros(2, device="cuda").device.type == "cpu"

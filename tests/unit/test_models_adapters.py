@@ -11,7 +11,7 @@ import dataclasses
 import pytest
 import torch
 
-from megatron_rl.configlib import UnknownNameError
+from megatron_rl.config.lib import UnknownNameError
 from megatron_rl.models import (
     ConversionError,
     DecoderAdapter,
@@ -232,7 +232,7 @@ def test_adapters_are_keyword_only_dataclasses():
 
 
 def test_cuda_to_cpu_mode_redirects_placements():
-    from megatron_rl.actor import cpu_shim
+    from megatron_rl.actor.compat import cpu_shim
 
     if torch.cuda.is_available():
         pytest.skip("the shim is a no-op with CUDA")

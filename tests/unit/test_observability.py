@@ -184,7 +184,7 @@ def test_run_logging_keeps_the_projects_warnings_on_screen_and_every_notice_in_t
     code = f"""
 import logging, warnings
 from megatron_rl.observability.run_log import setup_process_logging
-from megatron_rl.configlib.errors import ConfigWarning
+from megatron_rl.config.lib.errors import ConfigWarning
 setup_process_logging({str(log)!r})
 warnings.warn(ConfigWarning("x", "ours: a config warning"))
 warnings.warn("theirs: Apex is not installed", UserWarning)

@@ -39,7 +39,7 @@ def _check(rank, world, results):
     from megatron.core.transformer.enums import AttnMaskType
 
     import megatron_rl.models.attention as attention
-    from megatron_rl.actor import cpu_shim
+    from megatron_rl.actor.compat import cpu_shim
 
     cpu_shim.apply()  # megatron's attention takes its score buffer from the CUDA device otherwise
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)

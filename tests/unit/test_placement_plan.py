@@ -7,8 +7,9 @@ the numbers."""
 
 import pytest
 
-from megatron_rl.config import ParallelConfig, RolloutConfig
-from megatron_rl.placement import NodeInfo, PlacementError, cpu_threads, plan_gpu_placement
+from megatron_rl.cluster.placement import NodeInfo, PlacementError, cpu_threads, plan_gpu_placement
+from megatron_rl.config.parallel import ParallelConfig
+from megatron_rl.config.rollout import RolloutConfig
 
 NODES = [NodeInfo("n0", "10.0.0.1", 8), NodeInfo("n1", "10.0.0.2", 8)]
 

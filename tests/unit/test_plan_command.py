@@ -10,8 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from megatron_rl.config import ActorConfig, ModelOptions, ParallelConfig, RolloutConfig, TrainerConfig
-from megatron_rl.planner import Architecture, plan_memory, stage_parameters
+from megatron_rl.cluster.planner import Architecture, plan_memory, stage_parameters
+from megatron_rl.config.model import ModelOptions
+from megatron_rl.config.parallel import ParallelConfig
+from megatron_rl.config.rollout import RolloutConfig
+from megatron_rl.config.trainer import ActorConfig, TrainerConfig
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE_14B = REPO / "examples" / "kk_logic" / "ar_lopti_14b.yaml"
@@ -65,7 +68,7 @@ def test_parameters_and_state_by_hand():
 
 def test_an_optimizer_kernel_without_torchs_adam_is_a_config_error(monkeypatch):
     from megatron_rl.actor import optimizer
-    from megatron_rl.configlib import ConfigError
+    from megatron_rl.config.lib import ConfigError
 
     monkeypatch.setattr(optimizer, "uses_torch_adam", lambda: False)  # as with TE or Apex installed
     with pytest.raises(ConfigError, match="actor.optimizer_kernel"):

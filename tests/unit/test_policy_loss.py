@@ -21,7 +21,7 @@ from megatron_rl.algo import (
     merge_metrics,
     prepare_advantages,
 )
-from megatron_rl.algo.methods import STAPO_THRESHOLD_KEY
+from megatron_rl.algo.methods.stapo import STAPO_THRESHOLD_KEY
 from tests.loss_cases import LOSS_CASES, lopti_phase_for
 
 # ---------------------------------------------------------------- hand-computed cases

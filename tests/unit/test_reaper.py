@@ -1,4 +1,4 @@
-"""The reaper (``megatron_rl/commands/reaper.py``): once a driver dies by SIGKILL, the
+"""The reaper (``megatron_rl/cli/reaper.py``): once a driver dies by SIGKILL, the
 processes it started (children and grandchildren, even ones ignoring SIGTERM) die within
 seconds, and the ``/dev/shm`` files they named after themselves are removed; a process
 that merely reuses a recorded PID is never touched."""
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_rl.commands import reaper
+from megatron_rl.cli import reaper
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 
@@ -22,7 +22,7 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="re
 # grandchild; it prints the three pids and sleeps until it is killed.
 _DRIVER = """
 import os, signal, subprocess, sys, time
-from megatron_rl.commands import reaper
+from megatron_rl.cli import reaper
 reaper.start()
 stubborn = "import signal, subprocess, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); " \\
            "g = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)']); " \\

@@ -12,8 +12,9 @@ import time
 
 import pytest
 
-from megatron_rl.configlib import ConfigError
-from megatron_rl.rollout_ahead import RolloutAhead, RolloutBatch
+from megatron_rl.config.lib import ConfigError
+from megatron_rl.loop.experience import RolloutBatch
+from megatron_rl.loop.pipeline import RolloutAhead
 
 
 class FakePool:
@@ -126,7 +127,8 @@ def test_inline_mode_runs_nothing_in_the_background():
 
 
 def test_async_rollout_config_errors_name_the_field():
-    from megatron_rl.config import RolloutConfig, RunConfig
+    from megatron_rl.config.rollout import RolloutConfig
+    from megatron_rl.config.run import RunConfig
 
     with pytest.raises(ConfigError, match="rollout.max_staleness"):
         RunConfig(rollout=RolloutConfig(max_staleness=1, tis_cap=2.0))  # colocated by default

@@ -4,8 +4,8 @@ restarting engine counts as dead (``wait_until_back``'s policy, with Ray's answe
 import pytest
 
 from megatron_rl.rollout import RolloutEngineError, SamplingParams
-from megatron_rl.rollout.dispatch import pick_engine, split_requests
-from megatron_rl.rollout.engine_client import DIED_FOR_GOOD_AFTER_S, wait_until_back
+from megatron_rl.rollout.pool.dispatch import pick_engine, split_requests
+from megatron_rl.rollout.pool.recovery import DIED_FOR_GOOD_AFTER_S, wait_until_back
 
 PARAMS = SamplingParams(n=2, max_new_tokens=5)
 
@@ -101,3 +101,19 @@ def test_died_errors_that_go_on_mean_dead_even_with_a_restart_counted(scripted_r
     with pytest.raises(RolloutEngineError, match="e is dead and will not restart"):
         wait_until_back(actor, "e", timeout_s=600, replaces_pid=1, may_restart=True)
     assert clock[0] - 1000.0 == pytest.approx(20.5 + 0.2 + DIED_FOR_GOOD_AFTER_S, abs=1.0)
+
+
+def test_a_hung_engine_is_charged_from_its_last_progress_only():
+    import time
+
+    from megatron_rl.rollout.pool.dispatch import Request, hung_engines, wait_timeout
+
+    now = time.monotonic()
+    reqs = [Request(index=i, lo=i, hi=i + 1, work=1, num_requests=3, engine=e) for i, e in enumerate((0, 0, 1))]
+    progress_at = [now - 10.0, now - 1.0]  # engine 0 idle for 10 s, engine 1 progressed 1 s ago
+    assert hung_engines(reqs, progress_at, limit=5.0) == [0]
+    assert hung_engines(reqs, progress_at, limit=None) == [] and wait_timeout(reqs, progress_at, None) is None
+    assert wait_timeout(reqs, progress_at, 5.0) == 0.0  # engine 0 is already over
+    reqs[0].timed_out = True  # killed already: its requests fail when the kill lands
+    assert hung_engines(reqs, progress_at, limit=5.0) == []
+    assert 3.5 < wait_timeout(reqs, progress_at, 5.0) <= 4.0  # engine 1: 4 s left

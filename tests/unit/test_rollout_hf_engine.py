@@ -3,8 +3,10 @@
 import pytest
 import torch
 
-from megatron_rl.rollout.base import EngineAsleepError, SamplingParams, prompt_seeds_for
-from megatron_rl.rollout.hf_engine import HFEngine
+from megatron_rl.config.seeding import prompt_seeds_for
+from megatron_rl.rollout.engines.base import EngineAsleepError
+from megatron_rl.rollout.engines.hf import HFEngine
+from megatron_rl.rollout.generation import SamplingParams
 from tests.helpers.rollout_models import VOCAB, build_qwen2, hf_state, reference_logprobs, save_qwen2
 
 # Different lengths, so the batch is left-padded (the longest is 17 tokens).

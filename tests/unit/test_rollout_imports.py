@@ -16,5 +16,5 @@ def _heavy_modules_after(statement: str) -> list[str]:
 
 def test_package_and_engine_modules_import_no_backend():
     # The vLLM engine module must import on a CPU machine without vLLM; so must the package.
-    statement = "import megatron_rl.rollout, megatron_rl.rollout.vllm_engine, megatron_rl.algo.mismatch"
+    statement = "import megatron_rl.rollout, megatron_rl.rollout.engines.vllm, megatron_rl.algo.mismatch"
     assert _heavy_modules_after(statement) == []

@@ -5,8 +5,9 @@ import math
 import pytest
 import torch
 
-from megatron_rl.rollout.base import SamplingParams, derive_seed, prompt_seeds_for
-from megatron_rl.rollout.sampling import row_seeds, sample_next, sample_uniforms, truncated_probs
+from megatron_rl.config.seeding import derive_seed, prompt_seeds_for
+from megatron_rl.rollout.engines.sampling import row_seeds, sample_next, sample_uniforms, truncated_probs
+from megatron_rl.rollout.generation import SamplingParams
 
 # Four tokens with probabilities 0.5, 0.3, 0.15, 0.05 at T = 1 (CDF 0.5, 0.8, 0.95, 1.0).
 PROBS = torch.tensor([0.5, 0.3, 0.15, 0.05])
@@ -123,7 +124,7 @@ def test_sampling_params_validation(kwargs, match):
 
 
 def test_sampling_params_from_rollout_config():
-    from megatron_rl.config import RolloutConfig
+    from megatron_rl.config.rollout import RolloutConfig
 
     cfg = RolloutConfig(num_samples_per_prompt=8, temperature=0.7, top_p=0.9, top_k=20, max_new_tokens=32)
     params = SamplingParams.from_rollout_config(cfg, seed=3, stop_token_ids=[2, 5])

@@ -1,4 +1,4 @@
-"""The shared-memory weight transport's file (``weight_transfer/shm.py``): what actor rank
+"""The shared-memory weight transport's file (``weight_sync/transports/shm.py``): what actor rank
 0 writes is what an engine process reads, bit for bit, for every dtype; the two slots
 alternate, so a version stays intact while the next one is written; a tensor that does
 not match the layout is refused; a ``/dev/shm`` too small is an error naming the sizes
@@ -14,9 +14,9 @@ from collections import namedtuple
 import pytest
 import torch
 
-from megatron_rl.weight_buckets import WeightBucket, unpack_bucket
-from megatron_rl.weight_transfer import shm
-from megatron_rl.weight_transfer.meta import TensorMeta
+from megatron_rl.weight_sync.buckets import WeightBucket, unpack_bucket
+from megatron_rl.weight_sync.meta import TensorMeta
+from megatron_rl.weight_sync.transports import shm
 
 pytestmark = pytest.mark.skipif(not shm.SHM_DIR.is_dir(), reason="no /dev/shm on this host")
 
@@ -39,7 +39,7 @@ def _summary(named) -> list[tuple[str, str, tuple[int, ...], str]]:
 
 
 def _read_in_child(descriptor: shm.SharedBucket, queue) -> None:
-    # What an engine's worker does with the descriptor (rollout.worker.EngineWorker.load_bucket).
+    # What an engine's worker does with the descriptor (rollout.pool.worker.EngineWorker.load_bucket).
     bucket = WeightBucket(entries=list(descriptor.entries), arrays=descriptor.arrays())
     queue.put(_summary(unpack_bucket(bucket)))
 

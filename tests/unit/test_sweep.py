@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from megatron_rl.commands import main
-from megatron_rl.commands.sweep import expected_methods, method_preset, plan_runs
-from megatron_rl.configlib import ConfigError
+from megatron_rl.cli import main
+from megatron_rl.cli.sweep import expected_methods, method_preset, plan_runs
+from megatron_rl.config.lib import ConfigError
 from megatron_rl.observability.comparison import RunLabel, Stat, aggregate, summarize_run, write_comparison
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -64,7 +64,7 @@ def _args(tmp_path, *overrides, methods="grpo,ar_lopti,stapo", seeds=2):
 
 
 def test_plan_orders_preset_then_user_overrides_then_the_run(tmp_path):
-    from megatron_rl.config import load_run_config
+    from megatron_rl.config.run import load_run_config
 
     out, runs, base = plan_runs(_args(tmp_path, "trainer.num_steps=7", "algorithm.eps_high=0.3"))
     assert out == tmp_path / "sweep" and base.trainer.num_steps == 7

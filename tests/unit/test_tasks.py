@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_rl.configlib import UnknownNameError
+from megatron_rl.config.lib import UnknownNameError
 from megatron_rl.data.loaders import PromptRow
 from megatron_rl.data.prompts import PLAIN_STYLE, PromptStyle
 from megatron_rl.rewards import REWARDS, RewardLoadError, registered_rewards

@@ -21,7 +21,7 @@ from megatron_rl.algo import (
     stapo_entropy_threshold,
     update_phases,
 )
-from megatron_rl.algo.methods import STAPO_THRESHOLD_KEY
+from megatron_rl.algo.methods.stapo import STAPO_THRESHOLD_KEY
 
 
 def _tokens(seed=0, shape=(4, 9)):
@@ -117,3 +117,19 @@ def test_two_phased_methods_are_refused():
             update_phases(AlgorithmConfig(lopti=LoptiConfig(enabled=True)))
     finally:
         TOKEN_WEIGHT_METHODS.unregister(_PhasedToo.name)
+
+
+def test_each_builtin_method_is_one_file_with_its_section():
+    """A method's config class, its hook object and its math live in one module, and the
+    ``algorithm`` section holds its config under the method's name."""
+    import sys
+    import typing
+
+    hints = typing.get_type_hints(AlgorithmConfig)
+    for name in ("ar", "lopti", "stapo", "tr_grpo"):
+        method = TOKEN_WEIGHT_METHODS.get(name)
+        module = type(method).__module__
+        assert module == f"megatron_rl.algo.methods.{name}"
+        assert method.config_class.__module__ == module and hints[name] is method.config_class
+        assert isinstance(getattr(AlgorithmConfig(), name), method.config_class)
+        assert sys.modules[module].__doc__.count("arXiv") == 1  # the file names its paper

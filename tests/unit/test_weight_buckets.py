@@ -5,7 +5,7 @@ import pickle
 import pytest
 import torch
 
-from megatron_rl.weight_buckets import bucket_named_tensors, make_bucket, unpack_bucket
+from megatron_rl.weight_sync.buckets import bucket_named_tensors, make_bucket, unpack_bucket
 
 
 def _named(sizes):

@@ -14,16 +14,18 @@ layouts the engine is reset to other weights, so each sync has something to do.
 import pytest
 import torch
 
-from megatron_rl.actor.ray_group import ActorGroup
+from megatron_rl.actor.group import ActorGroup
 from megatron_rl.actor.spec import ActorSpec
 from megatron_rl.algo.mismatch import logprob_mismatch
-from megatron_rl.config import ParallelConfig, RolloutConfig, TrainerConfig
-from megatron_rl.experience import build_experience
-from megatron_rl.placement import GroupPlacement
+from megatron_rl.cluster.placement import GroupPlacement
+from megatron_rl.config.parallel import ParallelConfig
+from megatron_rl.config.rollout import RolloutConfig
+from megatron_rl.config.trainer import TrainerConfig
+from megatron_rl.loop.experience import build_experience
 from megatron_rl.rollout import RolloutPool, SamplingParams
-from megatron_rl.weight_buckets import MIB, make_buckets
-from megatron_rl.weight_sync import WeightSync
-from megatron_rl.weight_transfer.meta import TensorMeta
+from megatron_rl.weight_sync.buckets import MIB, make_buckets
+from megatron_rl.weight_sync.meta import TensorMeta
+from megatron_rl.weight_sync.sync import WeightSync
 from tests.helpers.rollout_models import VLLM_MODEL, hf_state, save_qwen2, vllm_engine_args
 
 ray = pytest.importorskip("ray")

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from megatron_rl.rollout import SamplingParams
-from megatron_rl.weight_transfer.meta import TensorMeta, UnknownWeightError, WeightUpdateError
+from megatron_rl.weight_sync.meta import TensorMeta, UnknownWeightError, WeightUpdateError
 from tests.helpers.rollout_models import (
     VLLM_MODEL,
     build_qwen2,
@@ -40,7 +40,7 @@ def ckpts(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(ckpts):
-    from megatron_rl.rollout.vllm_engine import VLLMEngine
+    from megatron_rl.rollout.engines.vllm import VLLMEngine
 
     eng = VLLMEngine(ckpts[0], name="vllm-a", **ENGINE_ARGS)
     yield eng
@@ -51,7 +51,7 @@ def engine(ckpts):
 def fresh_b(ckpts):
     """What an engine started from checkpoint ``b`` generates and holds; the engine is shut
     down again (and must leave no process behind)."""
-    from megatron_rl.rollout.vllm_engine import VLLMEngine
+    from megatron_rl.rollout.engines.vllm import VLLMEngine
 
     before = set(VLLMEngine.child_pids())  # e.g. the shared engine's processes
     eng = VLLMEngine(ckpts[1], name="vllm-b", **ENGINE_ARGS)

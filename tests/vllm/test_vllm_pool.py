@@ -13,11 +13,11 @@ import psutil
 import pytest
 import torch
 
-from megatron_rl.config import PoolConfig, RolloutConfig
-from megatron_rl.placement import GroupPlacement
+from megatron_rl.cluster.placement import GroupPlacement
+from megatron_rl.config.rollout import PoolConfig, RolloutConfig
 from megatron_rl.rollout import RolloutPool, SamplingParams
-from megatron_rl.weight_buckets import MIB, make_buckets
-from megatron_rl.weight_transfer.meta import TensorMeta
+from megatron_rl.weight_sync.buckets import MIB, make_buckets
+from megatron_rl.weight_sync.meta import TensorMeta
 from tests.helpers.rollout_models import (
     VLLM_MODEL as MODEL,
 )

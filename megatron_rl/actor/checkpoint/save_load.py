@@ -1,0 +1,357 @@
+"""Actor checkpoints: megatron ``dist_checkpointing`` of model + optimizer, plus RNG and counters.
+
+Layout of ``<dir>`` (a megatron-core ``torch_dist`` checkpoint with extras)::
+
+    .metadata, __*_*.distcp, common.pt, metadata.json   model + optimizer (dist_checkpointing)
+    actor_state.json      counters, Adam step, LR-scheduler state, Adam's betas/eps, layout
+    rng/rank<r>.pt        per-rank RNG states (Python, NumPy, torch, megatron's tracker),
+                          tensors and numbers only: loaded with ``weights_only=True``
+    hf_config/            config.json (+ generation config, tokenizer files when known)
+    manifest.json         size and SHA-256 of every other file (written last)
+
+and ``<dir>/../latest`` holds the name of the newest checkpoint directory
+(:mod:`megatron_rl.storage.checkpoints` reads and checks all of this on the driver).
+
+Before anything is written, every rank checks its parameters: a NaN/inf, or weights so
+large that their float32 sum of squares overflows (a diverged update, e.g. at
+``lr=1e30``: the next forward pass cannot be finite), raise :class:`NonFiniteWeightsError`
+and the checkpoint is not written, so ``latest`` keeps naming the last good one.
+
+Atomicity and durability: every rank writes into the temporary sibling
+``<parent>/.<name>.tmp``; after a barrier the ranks hash (and fsync) the files between
+them and global rank 0 writes the manifest, fsyncs the directories, renames the
+checkpoint to ``<dir>`` (replacing an older ``<dir>``), fsyncs the parent and rewrites
+``latest`` durably, so a crash or power cut leaves either the old or the new checkpoint
+and pointer, never a partial one.
+
+Model weights are stored TP/PP-independently (full tensors, layers stacked), so they
+load at any TP/PP and ``megatron-rl convert mcore-to-hf`` exports them.
+
+Optimizer state of megatron's plain optimizer (``actor.use_distributed_optimizer: false``):
+per-parameter state, identical on every DP rank, recorded as ``replicated``; it loads at
+the same TP/PP (any DP).
+
+Optimizer state of the DistributedOptimizer, two formats:
+
+* ``dp_reshardable`` (default, Megatron-LM's default): each rank writes its own buffer
+  shards, no gathering. Reshards across DP only; loaded at another TP or PP, the
+  weights, LR schedule and counters are restored and the Adam moments start fresh (a
+  warning says so).
+* ``fully_reshardable``: gathered to DP rank 0 on save into per-parameter tensors;
+  loads at any TP/PP/DP (tested: TP=2 -> TP=1 x PP=2 resumes like not stopping).
+  Costs a gather of the optimizer state of each model-parallel shard on save.
+
+A checkpoint's optimizer state loads only into the kind of optimizer that wrote it
+(distributed or not); into the other kind, weights, LR schedule and counters load and
+Adam starts fresh, with a warning (megatron's two kinds name their state differently).
+
+Two megatron-core 0.16.1 issues of the torch-AdamW path (CPU, no TE/Apex) are handled
+here without patching: a fresh optimizer has no per-parameter state yet, so it cannot
+describe what it loads (``init_adam_state`` allocates exactly what torch's first step
+would), and ``fully_reshardable`` loading trips over the ``step`` state key
+(``_load_optimizer_state`` calls megatron's two load halves with ``step`` held out).
+The Adam step count itself is written to ``actor_state.json`` and restored into
+separate per-parameter tensors: megatron's loader hands every parameter the SAME
+tensor, which torch's AdamW would then increment once per parameter per step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl.actor.checkpoint.rng import load_rng_file, rng_state, set_rng_state
+from megatron_rl.actor.compat import cpu_shim
+from megatron_rl.actor.launch import ProcessGroups
+from megatron_rl.actor.optimizer import (
+    adam_settings,
+    adam_step,
+    init_adam_state,
+    is_distributed,
+    load_optimizer_state,
+    set_adam_step,
+)
+from megatron_rl.storage.checkpoints import (
+    LATEST_FILE,
+    STATE_FILE,
+    CheckpointError,
+    checkpoint_files,
+    file_digest,
+    read_latest,
+    write_latest,
+    write_manifest,
+)
+from megatron_rl.storage.durable import fsync_dir, fsync_file
+
+__all__ = [
+    "OPTIMIZER_SHARDING",
+    "STATE_FILE",
+    "LATEST_FILE",
+    "HF_CONFIG_SUBDIR",
+    "resolve_checkpoint_dir",
+    "save_checkpoint",
+    "load_checkpoint",
+    "adam_step",
+    "set_adam_step",
+    "init_adam_state",
+    "check_finite_parameters",
+    "NonFiniteWeightsError",
+]
+
+OPTIMIZER_SHARDING = "dp_reshardable"
+"""Default DistributedOptimizer checkpoint format (Megatron-LM's default too)."""
+OptimizerSharding = Literal["dp_reshardable", "fully_reshardable"]
+HF_CONFIG_SUBDIR = "hf_config"
+_FORMAT = "megatron_rl.actor/1"
+_MODEL_RESHARDABLE = ("fully_reshardable",)  # optimizer formats that load at another TP/PP
+REPLICATED = "replicated"
+"""The recorded format of the plain (not distributed) optimizer's state."""
+
+
+class NonFiniteWeightsError(RuntimeError):
+    """The parameters are not finite (or overflow float32); the checkpoint was not written."""
+
+
+def resolve_checkpoint_dir(path: str | Path) -> Path:
+    """``path`` itself if it is a checkpoint, else the one named by ``path/latest``."""
+    path = Path(path)
+    if (path / "metadata.json").is_file():
+        return path
+    try:
+        target = read_latest(path)  # refuses a pointer leading outside ``path``
+    except CheckpointError as e:
+        raise FileNotFoundError(str(e)) from None
+    if target is not None:
+        if (target / "metadata.json").is_file():
+            return target
+        raise FileNotFoundError(f"{path / LATEST_FILE} names {target}, which is not a checkpoint")
+    raise FileNotFoundError(f"no checkpoint at {path} (no metadata.json and no '{LATEST_FILE}' pointer)")
+
+
+def check_finite_parameters(model: torch.nn.Module) -> None:
+    """Raise :class:`NonFiniteWeightsError` on every rank unless every rank's parameters are
+    finite and their float32 sum of squares does not overflow.
+
+    The second test catches a destroyed model whose weights are still technically finite
+    (``|w|`` around 1e19 or more, e.g. after an update at ``lr=1e30``): no forward pass
+    through such weights is finite, so it is no "last good" checkpoint. Collective.
+    """
+    params = [p for p in model.parameters()]
+    device = params[0].device if params else torch.device("cpu")
+    bad = torch.zeros(1, dtype=torch.float32, device=device)
+    with torch.no_grad():
+        for p in params:
+            # Summed in float32 chunks (at most 64 MiB of temporaries), never rescaled: the
+            # overflow is the point.
+            total = torch.zeros((), dtype=torch.float32, device=p.device)
+            for chunk in p.detach().reshape(-1).split(1 << 24):
+                total += chunk.float().square().sum()
+            if not torch.isfinite(total):
+                bad.fill_(1.0)
+                break
+    dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+    if bad.item() > 0:
+        raise NonFiniteWeightsError(
+            "the model's parameters are not finite, or so large that their float32 sum of squares "
+            "overflows (a diverged update): the checkpoint was not written"
+        )
+
+
+def _hash_and_sync(directory: Path, world_size: int, rank: int) -> dict[str, str]:
+    """SHA-256 of every file of ``directory``, the ranks sharing the work (each also fsyncs
+    what it hashes); every rank returns the whole ``{relative path: digest}``. Collective."""
+    names = checkpoint_files(directory)
+    mine = {}
+    for name in names[rank::world_size]:
+        fsync_file(directory / name)
+        mine[name] = file_digest(directory / name)
+    gathered: list[dict[str, str] | None] = [None] * world_size
+    dist.all_gather_object(gathered, mine)
+    return {k: v for part in gathered for k, v in (part or {}).items()}
+
+
+def save_checkpoint(
+    directory: str | Path,
+    *,
+    model: torch.nn.Module,
+    optimizer,
+    groups: ProcessGroups,
+    actor_state: Mapping[str, Any],
+    hf_config: Mapping[str, Any],
+    hf_source_dir: Path | None = None,
+    optimizer_sharding: OptimizerSharding = OPTIMIZER_SHARDING,
+) -> Path:
+    """Write a checkpoint of ``model`` (the unwrapped GPTModel) and ``optimizer`` to ``directory``.
+
+    Collective over the whole world (barriers, dist_checkpointing). ``actor_state`` is
+    written to ``actor_state.json`` by global rank 0 (JSON-serialisable values). Returns
+    the final directory. Raises :class:`NonFiniteWeightsError` (on every rank, nothing
+    written) when the parameters fail :func:`check_finite_parameters`.
+    """
+    from megatron.core import dist_checkpointing
+
+    if optimizer_sharding not in ("dp_reshardable", "fully_reshardable"):
+        raise ValueError(
+            f"optimizer_sharding must be 'dp_reshardable' or 'fully_reshardable', got {optimizer_sharding!r}"
+        )
+    # The format actor_state.json records (None: no optimizer state saved).
+    recorded = None if optimizer is None else optimizer_sharding if is_distributed(optimizer) else REPLICATED
+    if recorded == REPLICATED and optimizer_sharding == "fully_reshardable":
+        raise ValueError("optimizer_sharding 'fully_reshardable' is a format of the distributed optimizer")
+    check_finite_parameters(model)
+    final = Path(directory).absolute()
+    tmp = final.parent / f".{final.name}.tmp"
+    rank = dist.get_rank()
+    if rank == 0:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():
+            shutil.rmtree(tmp)  # left over by a crashed save
+        tmp.mkdir(parents=True)  # empty: megatron warns about a non-empty target
+    dist.barrier()
+
+    metadata = {"distrib_optim_sharding_type": optimizer_sharding}
+    with cpu_shim.cuda_to_cpu():
+        model_sd = model.sharded_state_dict()
+        state = {"model": model_sd}
+        if optimizer is not None:
+            state["optimizer"] = optimizer.sharded_state_dict(model_sd, metadata=metadata)
+        dist_checkpointing.save(state, str(tmp))
+    (tmp / "rng").mkdir(exist_ok=True)
+    torch.save({"layout": _layout(groups), "state": rng_state()}, tmp / "rng" / f"rank{rank}.pt")
+    dist.barrier()
+    if rank == 0:
+        record = {
+            "format": _FORMAT,
+            "layout": _layout(groups),
+            **({} if recorded is None else {"optimizer_sharding": recorded}),
+            **adam_settings(optimizer),
+            **actor_state,
+        }
+        (tmp / STATE_FILE).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
+        cfg_dir = tmp / HF_CONFIG_SUBDIR
+        cfg_dir.mkdir()
+        if hf_source_dir is not None:
+            from megatron_rl.models.hf_io import copy_aux_files
+
+            copy_aux_files(hf_source_dir, cfg_dir)
+        (cfg_dir / "config.json").write_text(json.dumps(dict(hf_config), indent=2, sort_keys=True) + "\n")
+    dist.barrier()
+    digests = _hash_and_sync(tmp, dist.get_world_size(), rank)
+    if rank == 0:
+        write_manifest(tmp, digests)
+        for sub in (tmp / "rng", tmp / HF_CONFIG_SUBDIR, tmp):
+            fsync_dir(sub)
+        old = final.parent / f".{final.name}.old"
+        if final.exists():
+            if old.exists():
+                shutil.rmtree(old)
+            os.rename(final, old)
+        os.rename(tmp, final)
+        fsync_dir(final.parent)
+        if old.exists():
+            shutil.rmtree(old)
+        write_latest(final.parent, final.name)
+    dist.barrier()
+    return final
+
+
+def _layout(groups: ProcessGroups) -> dict[str, int]:
+    return {"tp": groups.tp_size, "pp": groups.pp_size, "dp": groups.dp_size}
+
+
+def load_checkpoint(
+    directory: str | Path,
+    *,
+    model: torch.nn.Module,
+    optimizer,
+    groups: ProcessGroups,
+    load_optimizer: bool | None = None,
+    load_rng: bool = True,
+) -> dict[str, Any]:
+    """Load a checkpoint (or ``directory/latest``) into ``model`` and ``optimizer``.
+
+    ``load_optimizer``: ``None`` loads the optimizer state when the checkpoint has one
+    that fits (written at this TP/PP, or ``fully_reshardable``; warns and skips
+    otherwise); ``True`` requires it;
+    ``False`` loads weights only. A weights-only checkpoint (e.g. from ``megatron-rl
+    convert hf-to-mcore``) loads too. RNG states are restored when the checkpoint was
+    written at the same TP/PP/DP. Returns the saved ``actor_state.json`` content
+    (``{}`` for a checkpoint without one) plus ``"loaded_optimizer": bool``.
+    Collective over the whole world.
+    """
+    from megatron.core import dist_checkpointing
+
+    path = resolve_checkpoint_dir(directory)
+    record = json.loads((path / STATE_FILE).read_text()) if (path / STATE_FILE).is_file() else {}
+    saved_layout = record.get("layout")
+    here = _layout(groups)
+    sharding = record.get("optimizer_sharding")  # None: no optimizer state saved
+    same_model_layout = saved_layout is not None and all(saved_layout[k] == here[k] for k in ("tp", "pp"))
+    why_not = None  # why this optimizer cannot take the saved state
+    saved_distributed = sharding != REPLICATED
+    if sharding is not None and optimizer is not None and saved_distributed != is_distributed(optimizer):
+        kind = {True: "distributed", False: "plain"}
+        why_not = (
+            f"it was written by the {kind[saved_distributed]} optimizer and this actor uses the "
+            f"{kind[not saved_distributed]} one (actor.use_distributed_optimizer)"
+        )
+    elif sharding is not None and not (same_model_layout or sharding in _MODEL_RESHARDABLE):
+        why_not = (
+            f"it was written at TP={saved_layout['tp']} PP={saved_layout['pp']} and is '{sharding}', "
+            f"which does not reshard to TP={here['tp']} PP={here['pp']}"
+        )
+    if load_optimizer is None:
+        load_optimizer = optimizer is not None and sharding is not None and why_not is None
+        if sharding is not None and why_not is not None and dist.get_rank() == 0:
+            warnings.warn(
+                f"loading weights only from checkpoint {path}; its optimizer state does not fit: {why_not}",
+                stacklevel=2,
+            )
+    elif load_optimizer and (optimizer is None or sharding is None or why_not is not None):
+        reason = why_not or ("no optimizer was given" if optimizer is None else "it has none")
+        raise ValueError(f"cannot load optimizer state from {path}: {reason}")
+
+    with cpu_shim.cuda_to_cpu():
+        state = {"model": model.sharded_state_dict()}
+        if load_optimizer:
+            init_adam_state(optimizer)
+            state["optimizer"] = optimizer.sharded_state_dict(
+                model.sharded_state_dict(),
+                is_loading=True,
+                metadata={"distrib_optim_sharding_type": sharding},
+            )
+    with cpu_shim.cuda_to_cpu(), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*load_state_dict.*deprecated", category=FutureWarning)
+        loaded = dist_checkpointing.load(state, str(path))
+    model.load_state_dict(loaded["model"])
+    if optimizer is not None:
+        with torch.no_grad(), cpu_shim.cuda_to_cpu():
+            if load_optimizer:
+                # fp32 DistributedOptimizer loads copy into views of requires-grad params.
+                load_optimizer_state(optimizer, loaded["optimizer"])
+                # DistributedOptimizer.load_state_dict gives every parameter the SAME step
+                # tensor, which torch's AdamW then increments once per parameter per step:
+                # restore the saved count into separate tensors.
+                step = record.get("adam_step")
+                if step is None:
+                    step = adam_step(optimizer)
+                if step is not None:
+                    set_adam_step(optimizer, step)
+            else:
+                # Master weights (fp32 copies of bf16 params) must follow the new weights.
+                optimizer.reload_model_params()
+    rng_file = path / "rng" / f"rank{dist.get_rank()}.pt"
+    if load_rng and saved_layout == here and rng_file.is_file():
+        rng = load_rng_file(rng_file)
+        if rng is not None:
+            set_rng_state(rng)
+    dist.barrier()
+    return {**record, "loaded_optimizer": bool(load_optimizer)}

@@ -1,0 +1,220 @@
+"""The Megatron actor's ranks driven as one group by the trainer.
+
+:class:`ActorGroup` starts ``parallel.num_actor_ranks`` :class:`~megatron_rl.actor.worker.ActorWorker`
+Ray actors where :mod:`megatron_rl.cluster.placement` says, and runs each call on every
+rank (the actor's methods are collective), returning rank 0's result.
+
+The group also keeps the run's non-finite rule: a step whose updates were skipped for a
+non-finite loss or gradient norm is counted, and ``trainer.max_consecutive_nonfinite_steps``
+of them in a row raise :class:`NonFiniteStepsError` (the counter is saved with the
+driver's state in every checkpoint).
+"""
+
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import ray
+import torch
+
+from megatron_rl.actor.actor import LogProbs
+from megatron_rl.actor.batch import ActorBatch
+from megatron_rl.actor.spec import ActorSpec
+from megatron_rl.actor.worker import ActorWorker
+from megatron_rl.cluster.placement import GroupPlacement
+from megatron_rl.weight_sync.meta import TensorMeta
+
+__all__ = ["ActorGroup", "NonFiniteStepsError"]
+
+logger = logging.getLogger(__name__)
+
+
+class NonFiniteStepsError(RuntimeError):
+    """Too many consecutive steps had a non-finite loss or gradient norm."""
+
+
+class ActorGroup:
+    """The actor's ranks (``spec.parallel.num_actor_ranks`` :class:`ActorWorker` Ray actors)
+    forming one Megatron world.
+
+    Args:
+        spec: what every rank builds (sent once, at construction).
+        placement: where each rank runs (:mod:`megatron_rl.cluster.placement`); default: Ray's own
+            scheduling, no reserved resources, one torch thread per rank.
+        wait: return once every rank has built its model (a failure raises here); false
+            returns at once, the ranks start and build in the background, and the first
+            call that uses them (or :meth:`wait_ready`) waits and raises a failure. So
+            the driver can start the engines meanwhile.
+    """
+
+    def __init__(self, spec: ActorSpec, placement: GroupPlacement | None = None, *, wait: bool = True):
+        num_ranks = spec.parallel.num_actor_ranks
+        placement = placement or GroupPlacement.uniform(num_ranks)
+        if len(placement) != num_ranks:
+            raise ValueError(f"placement has {len(placement)} members for {num_ranks} actor ranks")
+        self.spec = spec
+        self.consecutive_nonfinite = 0
+        """RL steps in a row whose updates were skipped (see :meth:`update_policy`)."""
+        self.workers = [
+            ray.remote(ActorWorker)
+            .options(max_restarts=0, **options)
+            .remote(rank=r, world_size=num_ranks, torch_threads=placement.torch_threads)
+            for r, options in enumerate(placement.ray_options)
+        ]
+        # Rank 0's address goes to every rank's setup as a reference Ray resolves when
+        # rank 0 has started: nothing here waits for a process.
+        rendezvous = self.workers[0].address.remote()
+        self._setup: list[Any] | None = [w.setup.remote(rendezvous, spec) for w in self.workers]
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> None:
+        """Wait until every rank has built its model; raises the first rank's failure."""
+        pending, self._setup = self._setup, None
+        if pending:
+            ray.get(pending)
+
+    def _all(self, method: str, *args, **kwargs) -> Any:
+        """Run ``method`` on every rank (collective); rank 0's result."""
+        return ray.get(self._submit(method, *args, **kwargs))[0]
+
+    def _submit(self, method: str, *args, **kwargs) -> list[Any]:
+        """Queue ``method`` on every rank (each runs its calls in submission order); the
+        pending results, rank 0's first."""
+        self.wait_ready()
+        return [getattr(w, method).remote(*args, **kwargs) for w in self.workers]
+
+    def _shared(self, value: Any) -> Any:
+        """An argument for every rank: one object-store copy for several ranks; for one rank
+        the value itself (Ray inlines a small argument into the call: no put, ~1.5 ms less)."""
+        return ray.put(value) if len(self.workers) > 1 else value
+
+    def compute_logprobs(self, batch: ActorBatch, *, policy: str = "actor") -> LogProbs:
+        """Per-token log-probs and entropies of ``batch`` (``policy``: actor or reference)."""
+        return self._all("compute_logprobs", self._shared(batch), policy)
+
+    def update_policy(self, batch: ActorBatch, step: int, *, token_stats: bool = False) -> dict[str, float]:
+        """RL step ``step``'s whole update on ``batch`` (see ``actor/update.py``); its metrics.
+
+        Raises :class:`NonFiniteStepsError` once ``trainer.max_consecutive_nonfinite_steps``
+        steps in a row had a skipped (non-finite) update."""
+        return self.finish_update(self.submit_update(batch, step, token_stats=token_stats))
+
+    def submit_update(self, batch: ActorBatch, step: int, *, token_stats: bool = False) -> list[Any]:
+        """Start :meth:`update_policy` on every rank and return at once (its pending results:
+        pass them to :meth:`finish_update`). Each rank runs its calls in submission order, so
+        anything submitted later (a weight sync, a checkpoint) sees the updated weights."""
+        return self._submit("update_policy", self._shared(batch), step, token_stats)
+
+    def finish_update(self, pending: list[Any]) -> dict[str, float]:
+        """Wait for a :meth:`submit_update`; its metrics (see :meth:`update_policy`)."""
+        metrics = ray.get(pending)[0]
+        limit = self.spec.trainer.max_consecutive_nonfinite_steps
+        self.consecutive_nonfinite = self.consecutive_nonfinite + 1 if metrics["actor/step_skipped"] else 0
+        if self.consecutive_nonfinite >= limit:
+            raise NonFiniteStepsError(
+                f"{self.consecutive_nonfinite} consecutive steps had a non-finite loss or gradient norm "
+                f"(trainer.max_consecutive_nonfinite_steps={limit}); stopping with the last good checkpoint intact"
+            )
+        return metrics
+
+    def offload_train_state(self) -> None:
+        """Every rank gives its device to colocated engines (``ActorWorker.offload_train_state``)."""
+        self._all("offload_train_state")
+
+    def onload_train_state(self) -> None:
+        """Every rank takes its device back for the update."""
+        self._all("onload_train_state")
+
+    def transitions(self) -> list[tuple[float, str]]:
+        """Rank 0's recent (wall time, event) pairs: logprobs, train, offload, onload, sync."""
+        self.wait_ready()
+        return ray.get(self.workers[0].get_transitions.remote())
+
+    def state_dict(self) -> dict[str, int]:
+        """The group's driver-side state, saved with the trainer's in each checkpoint."""
+        return {"consecutive_nonfinite": self.consecutive_nonfinite}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.consecutive_nonfinite = int(state.get("consecutive_nonfinite", 0))
+
+    def save_checkpoint(self, directory: str, trainer_state: dict[str, Any] | None = None) -> str:
+        return self._all("save_checkpoint", str(directory), trainer_state)
+
+    def load_checkpoint(self, directory: str) -> dict[str, Any]:
+        """Resume the actor from a training checkpoint (the reference keeps the initial weights)."""
+        return self._all("load_checkpoint", str(directory))
+
+    def load_initial_weights(self, source: str) -> None:
+        """The run's initial weights (HF directory or Megatron checkpoint) into actor and reference."""
+        self._all("load_initial_weights", str(source))
+
+    def weight_metadata(self, dtype: str = "float32", *, fp8: bool = False) -> list[TensorMeta]:
+        """Every HF-named tensor a sync sends, in order, in ``dtype`` (``fp8``: projection
+        weights as FP8 plus their block scales)."""
+        self.wait_ready()
+        return ray.get(self.workers[0].weight_metadata.remote(dtype, fp8))
+
+    def weight_buckets(
+        self, bucket_bytes: int, *, dtype: str = "float32", max_buffered: int = 2, fp8: bool = False
+    ) -> Iterator[Any]:
+        """ObjectRefs of the model's weight buckets (HF names, ``dtype``), produced lazily by
+        rank 0: rank 0 runs at most ``max_buffered`` buckets ahead of the consumer
+        (``RolloutPool.sync``). Consume to the end: every rank takes part in the gathers."""
+        self.wait_ready()
+        streams = [
+            w.stream_weight_buckets.options(
+                num_returns="streaming", _generator_backpressure_num_objects=max_buffered
+            ).remote(bucket_bytes, dtype, fp8)
+            for w in self.workers
+        ]
+        yield from streams[0]
+        for stream in streams[1:]:
+            for ref in stream:  # none: other ranks only gather; raises if a rank failed
+                ray.get(ref)
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        return self._all("hf_state_dict")
+
+    def sender_address(self) -> tuple[str, int]:
+        """Rank 0's IP and a free port there: where a transfer group's rendezvous is hosted."""
+        return ray.get(self.workers[0].address.remote())
+
+    def open_weight_sender(
+        self, backend: str, client: Any, init: dict[str, Any], *, dtype: str, bucket_bytes: int, fp8: bool = False
+    ) -> None:
+        """Every rank builds its sender; rank 0 joins the engines behind ``client``."""
+        self._all("open_weight_sender", backend, client, init, dtype, bucket_bytes, fp8)
+
+    def send_weights(self) -> Any:
+        """One version through the open transfer group; rank 0's sender's result."""
+        return self.finish_send_weights(self.submit_send_weights())
+
+    def submit_send_weights(self) -> list[Any]:
+        """:meth:`send_weights` queued on every rank behind what was submitted before (an
+        update); returns at once, with the pending results."""
+        return self._submit("send_weights")
+
+    def finish_send_weights(self, pending: list[Any]) -> Any:
+        """Wait for a :meth:`submit_send_weights`; rank 0's result."""
+        return ray.get(pending)[0]
+
+    def close_weight_sender(self) -> None:
+        self._all("close_weight_sender")
+
+    def write_hf_weights(self, directory: str, *, dtype: str) -> None:
+        """The model's HF safetensors into ``directory`` (streamed by rank 0)."""
+        self._all("write_hf_weights", str(directory), dtype)
+
+    def node_ids(self) -> list[str]:
+        """The Ray node id of every rank, in rank order."""
+        self.wait_ready()
+        return ray.get([w.node_id.remote() for w in self.workers])
+
+    def shutdown(self) -> None:
+        for w in self.workers:
+            ray.kill(w)
+        self.workers = []

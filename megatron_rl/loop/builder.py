@@ -1,0 +1,245 @@
+"""Build a run's components from its :class:`~megatron_rl.config.RunConfig`.
+
+The only module that maps the whole run config onto components: each component gets
+the sections it needs, by reference. Order matters and is the same on every run:
+
+1. cheap and strict first, so a bad file, row, name or checkpoint fails before any
+   process starts: :func:`~megatron_rl.loop.preflight.preflight` (the task, the architecture,
+   the engine, the checkpoint to resume from, the tokenizer, every data row, the run
+   directory); the rows are then drawn by a :class:`~megatron_rl.data.source.PromptSource`;
+2. Ray, then the actor ranks (:class:`~megatron_rl.actor.group.ActorGroup`, built
+   from an :class:`~megatron_rl.actor.spec.ActorSpec`) with their initial weights;
+3. the directory the rollout engines start from (the run's HF directory, or config +
+   tokenizer + the actor's initial weights streamed by its rank 0), the engine pool, and
+   the run's weight sync (``weight_sync/sync.py``, transport from ``rollout.weight_transport``).
+   When the engines start from a HF directory and do not share GPUs with the actor,
+   steps 2 and 3 overlap: the actor ranks build their models while the engines load;
+4. the reward workers and the metrics sink.
+
+Placement (where each actor rank and engine runs) comes from :mod:`megatron_rl.cluster.placement`:
+placement groups on a GPU cluster, checked against the cluster before any actor starts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import ray
+import torch
+
+from megatron_rl.actor.group import ActorGroup
+from megatron_rl.actor.spec import ActorSpec
+from megatron_rl.actor.worker import is_hf_directory
+from megatron_rl.cluster.placement import (
+    GroupPlacement,
+    RunPlacement,
+    actor_placement,
+    alive_nodes,
+    cpu_threads,
+    engine_placement,
+    place_on_gpus,
+    plan_gpu_placement,
+    write_placement,
+)
+from megatron_rl.config.lib import ConfigError, save_resolved, to_dict
+from megatron_rl.config.run import RunConfig
+from megatron_rl.data.source import PromptSource
+from megatron_rl.loop.preflight import Preflight, preflight
+from megatron_rl.models import adapter_for_config
+from megatron_rl.observability import MetricsSink
+from megatron_rl.observability.run_log import LOG_DIR_ENV
+from megatron_rl.rewards import RewardPool
+from megatron_rl.rollout.pool.local import LocalRolloutPool
+from megatron_rl.rollout.pool.pool import RolloutPool
+from megatron_rl.rollout.pool.worker import engine_class
+from megatron_rl.tasks import Task
+from megatron_rl.weight_sync.sync import WeightSync, resolve_transport
+
+__all__ = ["Run", "actor_spec", "build_run"]
+
+
+@dataclass
+class Run:
+    """The components of one run, built by :func:`build_run` and driven by the trainer."""
+
+    config: RunConfig
+    """The resolved run config (saved as ``RUN_DIR/config.yaml``)."""
+    checkpoint_dir: Path
+    """``RUN_DIR/checkpoints``."""
+    resume_from: Path | None
+    """The checkpoint (or checkpoint directory with ``latest``) to resume from, if any."""
+    task: Task
+    """Prompt style, reward and eval grouping."""
+    prompts: PromptSource
+    """Training prompts in a resumable order, eval prompts, tokenisation."""
+    actors: ActorGroup
+    """The Megatron actor's ranks."""
+    pool: RolloutPool | LocalRolloutPool
+    """The rollout engines."""
+    weight_sync: WeightSync
+    """The actor's weights into the engines, one version per step."""
+    rewards: RewardPool
+    """Time-limited workers scoring responses with the task's reward."""
+    sink: MetricsSink
+    """Metrics to ``RUN_DIR/metrics.jsonl`` (and wandb)."""
+    placement: RunPlacement | None = None
+    """The placement groups of a GPU cluster (None on CPU)."""
+
+    def close(self) -> None:
+        """Stop the engines, actor ranks and reward workers; flush the metrics."""
+        self.sink.close()
+        self.rewards.close()
+        self.weight_sync.close()
+        self.pool.shutdown()
+        self.actors.shutdown()
+        if self.placement is not None:
+            self.placement.remove()
+
+
+def actor_spec(config: RunConfig) -> ActorSpec:
+    """What every actor rank is built from: the architecture and the sections it reads."""
+    model = config.model
+    return ActorSpec(
+        architecture=model.hf_config if model.hf_config is not None else model.tiny.to_hf_config_dict(),
+        model=model,
+        parallel=config.parallel,
+        trainer=config.trainer,
+        actor=config.actor,
+        algorithm=config.algorithm,
+        rollout=config.rollout,
+    )
+
+
+def _write_engine_init(config: RunConfig, run_dir: Path, hf_config: dict[str, Any], tokenizer, actors: ActorGroup) -> Path:
+    """The HF directory the engines start from (weight version 0) when the run does not
+    start from one (random init, a Megatron checkpoint): ``RUN_DIR/engine_init`` gets the
+    config, the tokenizer, and the actor's initial weights, streamed to disk by the
+    actor's rank 0 one tensor at a time (never the whole model in the driver); written
+    under ``.tmp`` and renamed, so a crash leaves no half-written directory.
+    """
+    directory = run_dir / "engine_init"
+    tmp = directory.with_name(directory.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    dtype = config.model.dtype or "float32"
+    hf = dict(hf_config)
+    hf.setdefault("architectures", [adapter_for_config(hf).architecture or "AutoModelForCausalLM"])
+    hf["torch_dtype"] = dtype
+    (tmp / "config.json").write_text(json.dumps(hf, indent=2))
+    tokenizer.save_pretrained(str(tmp))
+    actors.write_hf_weights(str(tmp), dtype=dtype)
+    shutil.rmtree(directory, ignore_errors=True)
+    os.rename(tmp, directory)
+    return directory
+
+
+def _placements(config: RunConfig) -> tuple[GroupPlacement, GroupPlacement, RunPlacement | None]:
+    """Actor and engine placements: placement groups on a GPU cluster (a layout that does
+    not fit raises ``PlacementError`` before any actor starts), plain options on CPU."""
+    nodes = alive_nodes()
+    threads = cpu_threads(config.parallel, config.rollout, nodes)
+    if not any(n.num_gpus for n in nodes):
+        actors = actor_placement(config.parallel, torch_threads=threads)
+        return actors, engine_placement(config.rollout, config.parallel, torch_threads=threads), None
+    placed = place_on_gpus(plan_gpu_placement(config.parallel, config.rollout, nodes), torch_threads=threads)
+    return placed.actor, placed.engines, placed
+
+
+_LEAN_RAY = {"enable_worker_prestart": False, "prestart_worker_first_driver": False}
+"""Ray system settings of a cluster the driver starts itself (``ray.init`` without an address)."""
+
+
+def build_run(config: RunConfig, *, checked: Preflight | None = None) -> Run:
+    """Every component of the run, in the order the module docstring gives (``checked``: the
+    pre-flight's result, when the caller ran it already)."""
+    run_dir = config.run_dir
+    checkpoint_dir = run_dir / "checkpoints"
+    # Cheap and strict first: every path, name, row and the checkpoint to resume from are
+    # checked before any process starts (``preflight``; ``--dry-run`` runs the same).
+    checked = checked or preflight(config)
+    resume_from, task, tokenizer, hf_config = checked.resume.path, checked.task, checked.tokenizer, checked.hf_config
+    train_rows, eval_rows, encoder = checked.train_rows, checked.eval_rows, checked.encoder
+    prompts = PromptSource(
+        train_rows, eval_rows, encoder=encoder, seed=config.trainer.seed, shuffle=config.data.shuffle
+    )  # fmt: skip
+
+    engine = engine_class(config.rollout.engine)
+    transport, backend = resolve_transport(config.rollout, engine, cuda=torch.cuda.is_available())
+    run_dir.mkdir(parents=True, exist_ok=True)
+    save_resolved(config, run_dir)
+    if not ray.is_initialized():
+        address = os.environ.get("RAY_ADDRESS") or None
+        ray.init(
+            address=address,
+            include_dashboard=False,
+            # A cluster of our own starts no Python workers ahead (Ray starts num_cpus of them
+            # for tasks; every worker here is an actor with the job's runtime_env, which the
+            # prestarted ones lack, so they sat idle: ~45 MB each and their start-up CPU).
+            _system_config=None if address else _LEAN_RAY,
+            log_to_driver=True,
+            configure_logging=False,
+            # Every worker of the job logs to RUN_DIR/logs (observability.run_log).
+            runtime_env={
+                "env_vars": {LOG_DIR_ENV: str((run_dir / "logs").resolve())},
+                "worker_process_setup_hook": "megatron_rl.observability.run_log.setup_worker_logging",
+            },
+        )
+    actor_group, engine_group, gpu_placement = _placements(config)
+    if gpu_placement is not None and config.rollout.engine_process == "driver":
+        raise ConfigError("rollout.engine_process", "driver: the cluster has GPUs, and an engine in the driver's "
+                          "process runs on CPU only (use ray_actor)")  # fmt: skip
+    # A run that starts from a HF directory hands it to the engines unchanged; otherwise
+    # the engines start from the actor's initial weights (_write_engine_init). In the
+    # first case the actor ranks build their models while the engines start and load,
+    # unless they share GPUs (a colocated engine sizes its memory from what is free then).
+    initial = config.model.initial_weights
+    engine_dir = Path(initial) if initial is not None and is_hf_directory(initial) else None
+    overlap = engine_dir is not None and not (gpu_placement is not None and config.rollout.placement == "colocated")
+    actors = ActorGroup(actor_spec(config), actor_group, wait=not overlap)
+
+    def start_pool(model_dir: Path) -> RolloutPool | LocalRolloutPool:
+        if config.rollout.engine_process == "driver":
+            return LocalRolloutPool(config.rollout, str(model_dir), torch_threads=engine_group.torch_threads,
+                                    weight_format=config.rollout.weight_dtype)  # fmt: skip
+        return RolloutPool(config.rollout, str(model_dir), placement=engine_group, weight_backend=backend,
+                           weight_format=config.rollout.weight_dtype)  # fmt: skip
+
+    pool = start_pool(engine_dir) if overlap else None
+    if initial is not None:
+        actors.load_initial_weights(initial)
+    if pool is None:
+        pool = start_pool(engine_dir or _write_engine_init(config, run_dir, hf_config, tokenizer, actors))
+    weight_sync = WeightSync(actors, pool, config.rollout, transport=transport, backend=backend)
+    write_placement(
+        run_dir / "placement.json",
+        ray_scheduling=config.parallel.ray_scheduling,
+        actor_nodes=actors.node_ids(),
+        engine_nodes=pool.node_ids(),
+        layout=gpu_placement.layout if gpu_placement else None,
+    )
+    rewards = RewardPool(task.reward, num_workers=config.data.num_reward_workers, timeout_s=config.data.reward_timeout_s)
+    sink = MetricsSink(
+        run_dir,
+        wandb_mode=config.logging.wandb_mode,
+        project=config.logging.wandb_project,
+        run_name=config.logging.run_name,
+        config=to_dict(config),
+    )
+    return Run(
+        config=config,
+        checkpoint_dir=checkpoint_dir,
+        resume_from=resume_from,
+        task=task,
+        prompts=prompts,
+        actors=actors,
+        pool=pool,
+        weight_sync=weight_sync,
+        rewards=rewards,
+        sink=sink,
+        placement=gpu_placement,
+    )

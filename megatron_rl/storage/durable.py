@@ -1,0 +1,48 @@
+"""Durable writes: data is on disk before a rename makes it visible.
+
+A power cut must not leave a ``latest`` pointer naming a checkpoint whose files are still
+in the page cache, nor a metrics file replaced by an empty one. Standard library only.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+__all__ = ["fsync_dir", "fsync_file", "write_text_durable"]
+
+
+def fsync_file(path: str | os.PathLike) -> None:
+    """Flush ``path``'s data to disk (an fd opened read-only suffices on Linux)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_dir(path: str | os.PathLike) -> None:
+    """Flush directory ``path`` (its entries: files created or renamed in it) to disk."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:  # a platform that cannot open directories (Windows): nothing to do
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # some file systems refuse fsync on directories
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_text_durable(path: str | os.PathLike, text: str) -> None:
+    """Write ``text`` to ``path`` atomically and durably: a temporary file, fsync, rename, fsync
+    of the directory. A reader (or a crash) sees the old or the new content, never a part."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)

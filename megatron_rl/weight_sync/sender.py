@@ -1,0 +1,85 @@
+"""The actor's end of a weight sync: the sender of a transfer group, and the engines' start-up files.
+
+Runs inside every actor rank (``actor.worker.ActorWorker``). Every rank iterates the same
+:class:`~megatron_rl.actor.weights.WeightSource` in lockstep (its TP/PP gathers are
+collectives); rank 0 alone sends. Which sender depends on the transfer backend only:
+
+- ``gloo``: :class:`~megatron_rl.weight_sync.transports.gloo.GlooSender` (host memory; CPU
+  machines, and any engine that takes host tensors);
+- ``nccl`` / ``ipc``: vLLM's own trainer engines (``weight_sync.transports.vllm``);
+- ``shm``: :class:`SharedMemorySender` (``rollout.weight_transport: shared_memory``):
+  rank 0 writes the version into a host shared-memory file
+  (:mod:`~megatron_rl.weight_sync.transports.shm`) and returns its descriptor, which the pool
+  hands to the engines in place of an object-store bucket.
+
+All are driven the same way: opened once per transfer group (the first two join the
+pool's ``EngineGroupClient``), then ``send_weights()`` once per version.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from megatron_rl.models.hf_io import SafetensorsShardWriter, TensorSpec
+from megatron_rl.weight_sync.meta import WeightSource, dtype_of
+from megatron_rl.weight_sync.transports.gloo import GlooInitInfo, GlooSender
+from megatron_rl.weight_sync.transports.shm import SharedBucket, SharedWeightsWriter
+
+__all__ = ["SharedMemorySender", "open_sender", "write_hf_weights"]
+
+
+class SharedMemorySender:
+    """The ``shm`` backend's sender: rank 0 owns the shared file (created here, laid out
+    by the source's metadata); every rank iterates the source in lockstep."""
+
+    def __init__(self, source: WeightSource, *, is_writer: bool):
+        self.source = source
+        self.writer = SharedWeightsWriter(source.metadata()) if is_writer else None
+
+    def send_weights(self) -> SharedBucket | None:
+        """Write the current weights; rank 0 returns the file's descriptor, others ``None``."""
+        if self.writer is None:
+            for _ in self.source:  # the TP/PP gathers are collectives
+                pass
+            return None
+        return self.writer.write(self.source)
+
+    def shutdown(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+def open_sender(source: WeightSource, *, rank: int, backend: str, client: Any, init: dict[str, Any]) -> Any:
+    """The sender of ``backend`` over ``source`` for this rank, joined to the engines'
+    transfer group (rank 0 hosts the rendezvous; other ranks only keep the source)."""
+    if backend == "gloo":
+        return GlooSender.trainer_init(GlooInitInfo(**init), client=client, source=source, is_sender=rank == 0)
+    if backend == "shm":
+        return SharedMemorySender(source, is_writer=rank == 0)
+    if backend in ("nccl", "ipc"):
+        from megatron_rl.weight_sync.transports.vllm import open_sender as open_vllm_sender
+
+        fields = {k: init[k] for k in ("master_address", "master_port", "world_size") if backend == "nccl"}
+        return open_vllm_sender(backend, client=client, source=source, rank=rank, **fields)
+    raise ValueError(f"weight-transfer backend {backend!r}: expected gloo, nccl, ipc or shm")
+
+
+def write_hf_weights(source: WeightSource, directory: Path, *, rank: int, max_shard_bytes: int = 4 << 30) -> None:
+    """The model's HF safetensors shards into the existing ``directory`` (rank 0 writes,
+    every rank gathers), streamed tensor by tensor: the engines' start-up weights without
+    the whole model in one process's memory."""
+    metas = source.metadata()
+    if rank != 0:
+        for _ in source:
+            pass
+        return
+    specs = [TensorSpec(name=m.name, shape=tuple(m.shape), dtype=dtype_of(m.dtype)) for m in metas]
+    writer = SafetensorsShardWriter(Path(directory), specs, max_shard_bytes=max_shard_bytes)
+    try:
+        for name, tensor in source:
+            writer.write(name, tensor.cpu())
+        writer.finish()
+    except BaseException:
+        writer.close()
+        raise
