@@ -75,3 +75,10 @@ def pytest_terminal_summary(terminalreporter):
     if _TIER_SECONDS:
         parts = ", ".join(f"{tier} {seconds:.0f} s" for tier, seconds in sorted(_TIER_SECONDS.items()))
         terminalreporter.write_line(f"== time per tier: {parts}")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    from tests.ray_cluster import release_ray
+
+    if "ray" in sys.modules:  # the last tier's shared cluster (tests/ray_cluster.py)
+        release_ray()

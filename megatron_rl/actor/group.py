@@ -205,10 +205,6 @@ class ActorGroup:
     def close_weight_sender(self) -> None:
         self._all("close_weight_sender")
 
-    def write_hf_weights(self, directory: str, *, dtype: str) -> None:
-        """The model's HF safetensors into ``directory`` (streamed by rank 0)."""
-        self._all("write_hf_weights", str(directory), dtype)
-
     def node_ids(self) -> list[str]:
         """The Ray node id of every rank, in rank order."""
         self.wait_ready()

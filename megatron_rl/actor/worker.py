@@ -200,12 +200,6 @@ class ActorWorker:
         if sender is not None:
             sender.shutdown()
 
-    def write_hf_weights(self, directory: str, dtype: str) -> None:
-        """The model's HF safetensors into ``directory`` (rank 0 writes; see ``weight_sync.sender``)."""
-        from megatron_rl.weight_sync.sender import write_hf_weights
-
-        write_hf_weights(self.actor.weight_source(dtype=dtype_of(dtype)), Path(directory), rank=self.rank)
-
     def hf_state_dict(self) -> dict[str, torch.Tensor] | None:
         """All HF-named tensors on rank 0 (for small models and tests); ``None`` elsewhere."""
         out = {name: t.clone() for name, t in self.actor.iter_hf_weights()}

@@ -1,4 +1,4 @@
-"""Build a run's components from its :class:`~megatron_rl.config.RunConfig`.
+"""Build a run's components from its :class:`~megatron_rl.config.run.RunConfig`.
 
 The only module that maps the whole run config onto components: each component gets
 the sections it needs, by reference. Order matters and is the same on every run:
@@ -9,11 +9,11 @@ the sections it needs, by reference. Order matters and is the same on every run:
    directory); the rows are then drawn by a :class:`~megatron_rl.data.source.PromptSource`;
 2. Ray, then the actor ranks (:class:`~megatron_rl.actor.group.ActorGroup`, built
    from an :class:`~megatron_rl.actor.spec.ActorSpec`) with their initial weights;
-3. the directory the rollout engines start from (the run's HF directory, or config +
-   tokenizer + the actor's initial weights streamed by its rank 0), the engine pool, and
-   the run's weight sync (``weight_sync/sync.py``, transport from ``rollout.weight_transport``).
-   When the engines start from a HF directory and do not share GPUs with the actor,
-   steps 2 and 3 overlap: the actor ranks build their models while the engines load;
+3. the directory the rollout engines start from (the run's HF directory, or config and
+   tokenizer alone: the first sync then brings the actor's initial weights), the engine
+   pool, and the run's weight sync (``weight_sync/sync.py``, transport from
+   ``rollout.weight_transport``). Unless the engines share GPUs with the actor, steps 2
+   and 3 overlap: the actor ranks build their models while the engines start;
 4. the reward workers and the metrics sink.
 
 Placement (where each actor rank and engine runs) comes from :mod:`megatron_rl.cluster.placement`:
@@ -89,6 +89,9 @@ class Run:
     """Metrics to ``RUN_DIR/metrics.jsonl`` (and wandb)."""
     placement: RunPlacement | None = None
     """The placement groups of a GPU cluster (None on CPU)."""
+    engines_await_weights: bool = False
+    """The engines started without weights (``RUN_DIR/engine_init``): the run syncs version
+    0 into them before anything generates."""
 
     def close(self) -> None:
         """Stop the engines, actor ranks and reward workers; flush the metrics."""
@@ -115,24 +118,22 @@ def actor_spec(config: RunConfig) -> ActorSpec:
     )
 
 
-def _write_engine_init(config: RunConfig, run_dir: Path, hf_config: dict[str, Any], tokenizer, actors: ActorGroup) -> Path:
-    """The HF directory the engines start from (weight version 0) when the run does not
-    start from one (random init, a Megatron checkpoint): ``RUN_DIR/engine_init`` gets the
-    config, the tokenizer, and the actor's initial weights, streamed to disk by the
-    actor's rank 0 one tensor at a time (never the whole model in the driver); written
-    under ``.tmp`` and renamed, so a crash leaves no half-written directory.
-    """
+def _write_engine_config(run_dir: Path, hf_config: dict[str, Any], tokenizer, dtype: str) -> Path:
+    """The directory the engines start from when the run does not start from a HF directory
+    (random init, a Megatron checkpoint): ``RUN_DIR/engine_init`` with the config and the
+    tokenizer, no weights. An engine started from it builds the architecture and waits for
+    weight version 0, which the first sync brings (``WeightReceiver``), so the engines start
+    while the actor ranks build and no copy of the weights goes through the disk. Written
+    under ``.tmp`` and renamed, so a crash leaves no half-written directory."""
     directory = run_dir / "engine_init"
     tmp = directory.with_name(directory.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    dtype = config.model.dtype or "float32"
     hf = dict(hf_config)
     hf.setdefault("architectures", [adapter_for_config(hf).architecture or "AutoModelForCausalLM"])
     hf["torch_dtype"] = dtype
     (tmp / "config.json").write_text(json.dumps(hf, indent=2))
     tokenizer.save_pretrained(str(tmp))
-    actors.write_hf_weights(str(tmp), dtype=dtype)
     shutil.rmtree(directory, ignore_errors=True)
     os.rename(tmp, directory)
     return directory
@@ -162,7 +163,6 @@ def build_run(config: RunConfig, *, checked: Preflight | None = None) -> Run:
     # Cheap and strict first: every path, name, row and the checkpoint to resume from are
     # checked before any process starts (``preflight``; ``--dry-run`` runs the same).
     checked = checked or preflight(config)
-    resume_from, task, tokenizer, hf_config = checked.resume.path, checked.task, checked.tokenizer, checked.hf_config
     train_rows, eval_rows, encoder = checked.train_rows, checked.eval_rows, checked.encoder
     prompts = PromptSource(
         train_rows, eval_rows, encoder=encoder, seed=config.trainer.seed, shuffle=config.data.shuffle
@@ -189,31 +189,49 @@ def build_run(config: RunConfig, *, checked: Preflight | None = None) -> Run:
                 "worker_process_setup_hook": "megatron_rl.observability.run_log.setup_worker_logging",
             },
         )
+    rewards = RewardPool(checked.task.reward, num_workers=config.data.num_reward_workers,
+                         timeout_s=config.data.reward_timeout_s)  # fmt: skip
+    rewards.start()  # the workers start while the actor ranks and the engines do
+    try:
+        return _build_components(config, checked, run_dir, checkpoint_dir, prompts, rewards, transport, backend)
+    except BaseException:
+        rewards.close()
+        raise
+
+
+def _build_components(
+    config: RunConfig, checked: Preflight, run_dir: Path, checkpoint_dir: Path, prompts: PromptSource,
+    rewards: RewardPool, transport: str, backend: str,
+) -> Run:
+    """Steps 2-4 of the module docstring: placement, actor ranks, engines, weight sync, sink."""
+    resume_from, task, tokenizer, hf_config = checked.resume.path, checked.task, checked.tokenizer, checked.hf_config
     actor_group, engine_group, gpu_placement = _placements(config)
     if gpu_placement is not None and config.rollout.engine_process == "driver":
         raise ConfigError("rollout.engine_process", "driver: the cluster has GPUs, and an engine in the driver's "
                           "process runs on CPU only (use ray_actor)")  # fmt: skip
-    # A run that starts from a HF directory hands it to the engines unchanged; otherwise
-    # the engines start from the actor's initial weights (_write_engine_init). In the
-    # first case the actor ranks build their models while the engines start and load,
-    # unless they share GPUs (a colocated engine sizes its memory from what is free then).
+    # A run that starts from a HF directory hands it to the engines unchanged; otherwise the
+    # engines start from the config alone and the first sync brings the actor's initial
+    # weights (_write_engine_config). Either way the actor ranks build their models while
+    # the engines start, unless they share GPUs (a colocated engine sizes its memory from
+    # what is free then).
     initial = config.model.initial_weights
-    engine_dir = Path(initial) if initial is not None and is_hf_directory(initial) else None
-    overlap = engine_dir is not None and not (gpu_placement is not None and config.rollout.placement == "colocated")
+    from_hf = initial is not None and is_hf_directory(initial)
+    engine_dir = Path(initial) if from_hf else _write_engine_config(run_dir, hf_config, tokenizer,
+                                                                       config.model.dtype or "float32")  # fmt: skip
+    overlap = not (gpu_placement is not None and config.rollout.placement == "colocated")
     actors = ActorGroup(actor_spec(config), actor_group, wait=not overlap)
 
-    def start_pool(model_dir: Path) -> RolloutPool | LocalRolloutPool:
+    def start_pool() -> RolloutPool | LocalRolloutPool:
         if config.rollout.engine_process == "driver":
-            return LocalRolloutPool(config.rollout, str(model_dir), torch_threads=engine_group.torch_threads,
+            return LocalRolloutPool(config.rollout, str(engine_dir), torch_threads=engine_group.torch_threads,
                                     weight_format=config.rollout.weight_dtype)  # fmt: skip
-        return RolloutPool(config.rollout, str(model_dir), placement=engine_group, weight_backend=backend,
+        return RolloutPool(config.rollout, str(engine_dir), placement=engine_group, weight_backend=backend,
                            weight_format=config.rollout.weight_dtype)  # fmt: skip
 
-    pool = start_pool(engine_dir) if overlap else None
+    pool = start_pool() if overlap else None
     if initial is not None:
         actors.load_initial_weights(initial)
-    if pool is None:
-        pool = start_pool(engine_dir or _write_engine_init(config, run_dir, hf_config, tokenizer, actors))
+    pool = pool or start_pool()
     weight_sync = WeightSync(actors, pool, config.rollout, transport=transport, backend=backend)
     write_placement(
         run_dir / "placement.json",
@@ -222,7 +240,6 @@ def build_run(config: RunConfig, *, checked: Preflight | None = None) -> Run:
         engine_nodes=pool.node_ids(),
         layout=gpu_placement.layout if gpu_placement else None,
     )
-    rewards = RewardPool(task.reward, num_workers=config.data.num_reward_workers, timeout_s=config.data.reward_timeout_s)
     sink = MetricsSink(
         run_dir,
         wandb_mode=config.logging.wandb_mode,
@@ -242,4 +259,5 @@ def build_run(config: RunConfig, *, checked: Preflight | None = None) -> Run:
         rewards=rewards,
         sink=sink,
         placement=gpu_placement,
+        engines_await_weights=not from_hf,
     )

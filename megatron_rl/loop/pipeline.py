@@ -218,8 +218,10 @@ class PipelinedTrainer(Trainer):
         started, self._next = self._next, None
         if isinstance(started, BaseException):  # raised while submitting this step early: now it is its turn
             raise started
+        early = started is not None
         started = started or self._submit(step)
         metrics = finish_update(r, started)
+        metrics["pipeline/submitted_early"] = float(early)  # at the end of the step before
         timings = started.timings
         with self.ahead.paused() as waited:  # the pool finishes the generation in flight first
             with timed(timings, "weight_sync"):

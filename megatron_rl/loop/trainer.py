@@ -132,9 +132,9 @@ class Trainer:
             self.reward_errors.load_state_dict(state)
         # Lines after it (all, on a fresh start) are from a run that died: replayed now, logged once.
         r.sink.truncate_after(step)
-        # A fresh run's engines already start from the actor's initial weights, unless they
-        # must run on FP8 ones from the first step.
-        if step > 0 or self.config.rollout.weight_dtype == "fp8":
+        # Engines that started from the run's HF directory hold version 0 already, unless
+        # they must run on FP8 ones; engines started from a config alone wait for it.
+        if step > 0 or r.engines_await_weights or self.config.rollout.weight_dtype == "fp8":
             r.weight_sync.run(step)
         if self.time_shared:  # the engines generate first
             r.actors.offload_train_state()

@@ -197,6 +197,13 @@ class RewardPool:
         """Stop all workers (idempotent)."""
         self._finalizer()
 
+    def start(self) -> None:
+        """Start every worker now, so the first batch does not wait for them: they report ready
+        in the background (:meth:`score` starts them on demand otherwise). A worker that
+        cannot load the reward fails the first :meth:`score`, as it would have anyway."""
+        while len(self._workers) < self.num_workers:
+            self._start_worker()
+
     def _start_worker(self) -> None:
         parent_conn, child_conn = self._ctx.Pipe(duplex=True)
         process = self._ctx.Process(

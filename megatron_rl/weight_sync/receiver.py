@@ -18,6 +18,10 @@ does), so the contract's checks and state live here once, whatever the engine:
 - **A failed update after data moved leaves mixed weights**: the engine reports
   ``ok: False`` and refuses to generate until a full update commits (the pool restarts it).
 - Updates are allowed while an engine sleeps (a colocated sync wakes the weights alone).
+- **An engine may start without weights**, from a directory with a config alone
+  (:func:`has_weights`): it builds the architecture, reports version ``-1`` and
+  ``ok: False``, and refuses to generate until its first update commits (the run syncs
+  version 0 into it first; a restarted one is restored like any other).
 
 Engines implement the hooks (``expected_weights``, ``_load_host`` and, to join a
 transfer group, ``_join_transfer`` / ``_receive``; optionally ``_start_update`` /
@@ -36,23 +40,34 @@ import torch
 from megatron_rl.weight_sync.buckets import WeightBucket, unpack_bucket
 from megatron_rl.weight_sync.meta import TensorMeta, check_update, dtype_of
 
-__all__ = ["WeightReceiver", "checkpoint_tensors"]
+__all__ = ["WeightReceiver", "checkpoint_tensors", "has_weights"]
+
+
+def has_weights(model_path: str | Path) -> bool:
+    """Whether the HF directory ``model_path`` holds weights (safetensors), or only a config:
+    an engine started from a config alone waits for its first update (see the module docstring)."""
+    return any(Path(model_path).glob("*.safetensors"))
 
 
 def checkpoint_tensors(model_path: str | Path, dtype: torch.dtype) -> dict[str, TensorMeta]:
-    """``{HF name: TensorMeta}`` of the weights in the HF directory ``model_path`` (read
-    from the safetensors headers, no data), in ``dtype``: what a sync into an engine
-    started from that directory must carry. Tensors that hold no weights of their own
-    (RoPE ``inv_freq`` buffers, a tied checkpoint's copy of the embedding) are left out."""
+    """``{HF name: TensorMeta}`` of every tensor a sync into an engine started from the HF
+    directory ``model_path`` must carry, in ``dtype``: the checkpoint's tensors (read from
+    the safetensors headers, no data), or, for a directory with a config alone, the
+    architecture's (the model adapter's weight units). Tensors that hold no weights of
+    their own (RoPE ``inv_freq`` buffers, a tied checkpoint's copy of the embedding) are left out."""
     from megatron_rl.models import ConversionError, adapter_for_config
     from megatron_rl.models.hf_io import SafetensorsReader, read_config
 
     config = read_config(Path(model_path))
+    dtype_name = str(dtype).removeprefix("torch.")
+    if not has_weights(model_path):
+        adapter = adapter_for_config(config)  # ConversionError names the model type without an adapter
+        units = adapter.weight_units(config, padded_vocab_size=int(config["vocab_size"]))
+        return {n: TensorMeta(n, dtype_name, tuple(s)) for u in units for n, s in zip(u.hf_names, u.hf_shapes)}
     try:
         ignorable = adapter_for_config(config).ignorable_hf_names(config)
     except ConversionError:  # an architecture without an adapter: every tensor counts
         ignorable = lambda name: False  # noqa: E731
-    dtype_name = str(dtype).removeprefix("torch.")
     return {
         name: TensorMeta(name, dtype_name if spec.dtype.is_floating_point else str(spec.dtype).removeprefix("torch."),
                          tuple(spec.shape))  # fmt: skip
@@ -142,7 +157,7 @@ class WeightReceiver(abc.ABC):
 
     @property
     def weight_version(self) -> int:
-        """Version of the weights now loaded (0 = the initial checkpoint)."""
+        """Version of the weights now loaded (0 = the initial checkpoint; -1: none yet)."""
         return self._version
 
     @property
@@ -241,6 +256,10 @@ class WeightReceiver(abc.ABC):
             raise
         self.commit_weight_update()
         return stats
+
+    def _await_weights(self) -> None:
+        """Started without weights: version ``-1`` and no generation until an update commits."""
+        self._version, self._weights_ok = -1, False
 
     def _touch(self) -> None:
         """Data is about to move: until the commit, a failure leaves mixed weights."""

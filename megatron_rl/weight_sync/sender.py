@@ -1,4 +1,4 @@
-"""The actor's end of a weight sync: the sender of a transfer group, and the engines' start-up files.
+"""The actor's end of a weight sync: the sender of a transfer group.
 
 Runs inside every actor rank (``actor.worker.ActorWorker``). Every rank iterates the same
 :class:`~megatron_rl.actor.weights.WeightSource` in lockstep (its TP/PP gathers are
@@ -18,15 +18,13 @@ pool's ``EngineGroupClient``), then ``send_weights()`` once per version.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
-from megatron_rl.models.hf_io import SafetensorsShardWriter, TensorSpec
-from megatron_rl.weight_sync.meta import WeightSource, dtype_of
+from megatron_rl.weight_sync.meta import WeightSource
 from megatron_rl.weight_sync.transports.gloo import GlooInitInfo, GlooSender
 from megatron_rl.weight_sync.transports.shm import SharedBucket, SharedWeightsWriter
 
-__all__ = ["SharedMemorySender", "open_sender", "write_hf_weights"]
+__all__ = ["SharedMemorySender", "open_sender"]
 
 
 class SharedMemorySender:
@@ -63,23 +61,3 @@ def open_sender(source: WeightSource, *, rank: int, backend: str, client: Any, i
         fields = {k: init[k] for k in ("master_address", "master_port", "world_size") if backend == "nccl"}
         return open_vllm_sender(backend, client=client, source=source, rank=rank, **fields)
     raise ValueError(f"weight-transfer backend {backend!r}: expected gloo, nccl, ipc or shm")
-
-
-def write_hf_weights(source: WeightSource, directory: Path, *, rank: int, max_shard_bytes: int = 4 << 30) -> None:
-    """The model's HF safetensors shards into the existing ``directory`` (rank 0 writes,
-    every rank gathers), streamed tensor by tensor: the engines' start-up weights without
-    the whole model in one process's memory."""
-    metas = source.metadata()
-    if rank != 0:
-        for _ in source:
-            pass
-        return
-    specs = [TensorSpec(name=m.name, shape=tuple(m.shape), dtype=dtype_of(m.dtype)) for m in metas]
-    writer = SafetensorsShardWriter(Path(directory), specs, max_shard_bytes=max_shard_bytes)
-    try:
-        for name, tensor in source:
-            writer.write(name, tensor.cpu())
-        writer.finish()
-    except BaseException:
-        writer.close()
-        raise

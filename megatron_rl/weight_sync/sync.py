@@ -102,7 +102,8 @@ class WeightSync:
         self.actors, self.pool, self.rollout = actors, pool, rollout
         self.transport, self.backend = transport, backend
         self.bucket_bytes = rollout.weight_sync_bucket_mb << 20
-        dtypes = {h["weight_dtype"] for h in pool.health() if h.get("ok", True) and "weight_dtype" in h}
+        # Every live engine reports its dtype, those still waiting for their first weights too.
+        dtypes = {h["weight_dtype"] for h in pool.health() if "weight_dtype" in h}
         if len(dtypes) != 1:
             raise RuntimeError(f"the engines load weights in different dtypes: {sorted(dtypes)}")
         self.dtype = dtypes.pop()

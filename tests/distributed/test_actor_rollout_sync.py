@@ -8,7 +8,6 @@ float32 rounding; (3) before the sync they did not (the engine started from othe
 """
 
 import pytest
-import ray
 
 from megatron_rl.actor.group import ActorGroup
 from megatron_rl.actor.spec import ActorSpec
@@ -23,13 +22,12 @@ from megatron_rl.rollout.generation import SamplingParams
 from megatron_rl.rollout.pool.pool import RolloutPool
 from tests.helpers.rollout_models import ACTOR_HF_CONFIG as HF_CONFIG
 from tests.helpers.rollout_models import save_actor_hf
+from tests.ray_cluster import shared_ray
 
 
 @pytest.fixture(scope="module")
 def ray_session():
-    ray.init(include_dashboard=False, configure_logging=False, log_to_driver=False)
-    yield
-    ray.shutdown()
+    shared_ray("distributed")
 
 
 def test_sync_from_tp2_actor_gives_the_engine_the_actor_weights(tmp_path, ray_session):

@@ -15,10 +15,12 @@ from megatron_rl.config.parallel import ParallelConfig  # noqa: E402
 from megatron_rl.config.rollout import RolloutConfig
 from megatron_rl.rollout.pool.worker import EngineWorker  # noqa: E402
 from tests.helpers.rollout_models import save_qwen2  # noqa: E402
+from tests.ray_cluster import release_ray  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def cluster():
+    release_ray()  # a fake 2-node GPU cluster of its own
     c = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "num_gpus": 4})
     c.add_node(num_cpus=2, num_gpus=4)
     ray.init(address=c.address, include_dashboard=False, log_to_driver=False)

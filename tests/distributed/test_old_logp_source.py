@@ -31,6 +31,7 @@ from megatron_rl.config.parallel import ParallelConfig  # noqa: E402
 from megatron_rl.config.rollout import RolloutConfig
 from megatron_rl.config.trainer import ActorConfig, TrainerConfig
 from tests.helpers.rollout_models import ACTOR_HF_CONFIG  # noqa: E402
+from tests.ray_cluster import shared_ray
 
 N, L, PROMPT = 8, 14, 4
 TOL = 2e-5  # float32: the two paths' forwards batch the rows differently
@@ -38,9 +39,7 @@ TOL = 2e-5  # float32: the two paths' forwards batch the rows differently
 
 @pytest.fixture(scope="module")
 def ray_session():
-    ray.init(num_cpus=4, include_dashboard=False, configure_logging=False, log_to_driver=False)
-    yield
-    ray.shutdown()
+    shared_ray("distributed")
 
 
 def _batch() -> ActorBatch:

@@ -20,6 +20,7 @@ from megatron_rl.rollout.pool.recovery import DIED_FOR_GOOD_AFTER_S, wait_until_
 from megatron_rl.weight_sync.buckets import MIB, make_buckets  # noqa: E402
 from megatron_rl.weight_sync.meta import TensorMeta  # noqa: E402
 from tests.helpers.rollout_models import build_qwen2, hf_state, reference_logprobs, save_qwen2  # noqa: E402
+from tests.ray_cluster import shared_ray
 
 PROMPTS = [[1, 2, 3], [5] * 9, [7, 8], list(range(20, 37)), [3], [9, 9, 1, 4]]
 PARAMS = SamplingParams(n=3, temperature=0.7, max_new_tokens=10, seed=17)
@@ -27,9 +28,7 @@ PARAMS = SamplingParams(n=3, temperature=0.7, max_new_tokens=10, seed=17)
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
+    shared_ray("distributed")
 
 
 @pytest.fixture(scope="module")

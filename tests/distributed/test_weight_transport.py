@@ -24,6 +24,7 @@ from megatron_rl.weight_sync.meta import TensorMeta  # noqa: E402
 from megatron_rl.weight_sync.sync import WeightSync  # noqa: E402
 from tests.helpers.rollout_models import ACTOR_HF_CONFIG as HF_CONFIG  # noqa: E402
 from tests.helpers.rollout_models import save_actor_hf  # noqa: E402
+from tests.ray_cluster import shared_ray
 
 LAYOUTS = {"tp1": (1, 1), "tp2": (2, 1), "pp2": (1, 2)}
 TRANSPORTS = {"object_store": "object_store", "shared_memory": "object_store", "collective": "gloo"}
@@ -38,7 +39,7 @@ def _digests(state):
 def env(tmp_path_factory):
     root = tmp_path_factory.mktemp("weight_transport")
     other = save_actor_hf(root / "other", seed=123)
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    shared_ray("distributed")
     # The module's kill tests can cost one engine four deaths (which engine the armed fault
     # hits is a race, and the collective's repair kills both engines once more), more than
     # the default max_restarts=3 allows.
@@ -62,7 +63,6 @@ def env(tmp_path_factory):
         yield pool, reset, root / "arm", state
     finally:
         pool.shutdown()
-        ray.shutdown()
 
 
 def _engine_digests(pool):

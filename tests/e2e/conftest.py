@@ -28,22 +28,91 @@ def tiny_config(output_dir, *extra: str):
     return load_run_config(EXAMPLE, tiny_overrides(output_dir, *extra))
 
 
-@pytest.fixture(scope="module")
-def ray_session():
+BASELINE = ("trainer.num_steps=3", "trainer.eval_every_steps=0", "trainer.save_every_steps=0")
+"""The 3-step run several modules compare against (default settings: colocated, fused lm-head)."""
+ASYNC = ("rollout.placement=disaggregated", "rollout.max_staleness=1", "rollout.tis_cap=2.0")
+"""One-step-off rollout (generation ahead of the update)."""
+ASYNC_STEPS = ("trainer.num_steps=5", "trainer.eval_every_steps=3", "trainer.save_every_steps=2")
+"""The steps of the one-step-off comparisons (test_async_rollout.py, test_engine_in_driver.py)."""
+KL_RUN = ("trainer.num_steps=3", "trainer.eval_every_steps=0", "trainer.save_every_steps=2", "algorithm.kl_coef=0.01")
+"""A 3-step run with a KL term (so a reference policy) and a checkpoint mid-way."""
+
+
+@dataclass
+class TinyRun:
+    """What :func:`tiny_run` keeps of a finished in-process run."""
+
+    rows: dict[int, dict]
+    """The logged metrics by step."""
+    last: dict
+    """The metrics ``Trainer.run`` returned."""
+    events: list[str]
+    """The engine's and the actor's transitions, merged by time (``engine:generate``, ...)."""
+    engine_pid: int
+    """The first engine's process."""
+    transport: str
+    """The weight transport the run resolved (``WeightSync.transport``)."""
+    run_dir: Path
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory):
+    """``tiny_run(*overrides)``: the tiny demo trained in this process with ``overrides``,
+    once per session and resolved config: modules that compare against the same run share it."""
+    import json
+
     import ray
 
-    ray.init(include_dashboard=False, configure_logging=False, log_to_driver=False)
-    yield
-    ray.shutdown()
+    from megatron_rl.config.lib import to_dict
+    from megatron_rl.loop.pipeline import make_trainer
+    from megatron_rl.observability import read_metrics
+    from tests.ray_cluster import shared_ray
+
+    root, cache = tmp_path_factory.mktemp("tiny_runs"), {}
+
+    def run(*overrides: str) -> TinyRun:
+        config = tiny_config(root / f"run{len(cache)}", *overrides)
+        settings = to_dict(config)
+        settings["trainer"].pop("output_dir")
+        key = json.dumps(settings, sort_keys=True, default=str)
+        if key not in cache:
+            shared_ray("e2e")
+            trainer = make_trainer(config)
+            try:
+                engine_pid = trainer.parts.pool.health()[0]["pid"]
+                transport = trainer.parts.weight_sync.transport
+                last = trainer.run()
+                engine = ray.get(trainer.parts.pool.actors[0].get_transitions.remote()) \
+                    if hasattr(trainer.parts.pool, "actors") else []  # fmt: skip
+                actor = trainer.parts.actors.transitions()
+            finally:
+                trainer.close()
+            merged = sorted([(s, f"engine:{e}") for s, e in engine] + [(s, f"actor:{e}") for s, e in actor])
+            rows = {r["step"]: r for r in read_metrics(trainer.config.run_dir)}
+            cache[key] = TinyRun(rows=rows, last=last, events=[e for _, e in merged], engine_pid=engine_pid,
+                                 transport=transport, run_dir=trainer.config.run_dir)  # fmt: skip
+        return cache[key]
+
+    return run
 
 
-def train_cli(out_dir, *extra):
-    """``megatron-rl train`` of the tiny demo in a new process group (so a kill reaches every process)."""
+@pytest.fixture(scope="module")
+def ray_session():
+    """The e2e tier's shared local Ray cluster (tests/ray_cluster.py)."""
+    from tests.ray_cluster import shared_ray
+
+    shared_ray("e2e")
+
+
+def train_cli(out_dir, *extra, log: Path | None = None):
+    """``megatron-rl train`` of the tiny demo in a new process group (so a kill reaches every
+    process); its output to ``log`` when given (a pipe nobody reads can fill and stall it)."""
     import subprocess
     import sys
 
     cmd = [sys.executable, "-m", "megatron_rl", "train", str(EXAMPLE), *tiny_overrides(out_dir, *extra)]
-    return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    out = subprocess.PIPE if log is None else open(log, "w")  # noqa: SIM115  (closed with the process)
+    return subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)  # fmt: skip
 
 
@@ -59,32 +128,37 @@ class KilledAndResumed:
 
 
 def kill9_and_resume(tmp_path, *args: str, checkpointed: int, logged: int) -> KilledAndResumed:
-    """Run the demo with ``args`` uninterrupted (``tmp_path/a``); run it again (``tmp_path/b``),
-    SIGKILL its process group once checkpoint ``step_<checkpointed>`` exists and step
-    ``logged`` is in ``metrics.jsonl``, then rerun it there to the end (it resumes)."""
-    import os
-    import signal
+    """Run the demo with ``args`` uninterrupted (``tmp_path/a``) and, at the same time, again
+    (``tmp_path/b``); SIGKILL the second's process group once checkpoint
+    ``step_<checkpointed>`` exists and step ``logged`` is in ``metrics.jsonl``, then rerun it
+    there to the end (it resumes). The two first runs are separate processes with the same
+    settings, so running them side by side changes no number, only the wall time."""
     import time
 
     from megatron_rl.observability import read_metrics
+    from tests.helpers.jobs import kill_group
 
-    ref = train_cli(tmp_path / "a", *args)
-    out, _ = ref.communicate(timeout=600)
-    assert ref.returncode == 0, out
-
-    victim = train_cli(tmp_path / "b", *args)
-    run_dir = tmp_path / "b" / "tiny_cpu"
-    deadline = time.time() + 600
-    while time.time() < deadline:
-        if (run_dir / "checkpoints" / f"step_{checkpointed:06d}").is_dir() and (run_dir / "metrics.jsonl").exists():
-            if any(r["step"] >= logged for r in read_metrics(run_dir)):
-                break
-        if victim.poll() is not None:
-            pytest.fail("the run finished before it could be killed:\n" + victim.stdout.read())
-        time.sleep(0.05)
-    os.killpg(victim.pid, signal.SIGKILL)
-    victim.wait()
-    latest = (run_dir / "checkpoints" / "latest").read_text().strip()
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    ref = train_cli(tmp_path / "a", *args, log=tmp_path / "a.log")
+    victim = train_cli(tmp_path / "b", *args, log=tmp_path / "b.log")
+    try:
+        run_dir = tmp_path / "b" / "tiny_cpu"
+        deadline = time.time() + 600
+        while time.time() < deadline:
+            if (run_dir / "checkpoints" / f"step_{checkpointed:06d}").is_dir() and (run_dir / "metrics.jsonl").exists():
+                if any(r["step"] >= logged for r in read_metrics(run_dir)):
+                    break
+            if victim.poll() is not None:
+                pytest.fail("the run finished before it could be killed:\n" + (tmp_path / "b.log").read_text())
+            time.sleep(0.05)
+        kill_group(victim)
+        victim.wait()
+        latest = (run_dir / "checkpoints" / "latest").read_text().strip()
+        assert ref.wait(timeout=600) == 0, (tmp_path / "a.log").read_text()
+    finally:
+        kill_group(victim)
+        if ref.poll() is None:
+            kill_group(ref)
 
     resumed = train_cli(tmp_path / "b", *args)
     out, _ = resumed.communicate(timeout=600)

@@ -8,27 +8,11 @@ the gradient buffers and moving the train state changes no number.
 """
 
 import pytest
-import ray
 
-from megatron_rl.loop.pipeline import make_trainer
-from megatron_rl.observability import read_metrics
-from tests.e2e.conftest import tiny_config
+from megatron_rl.config.rollout import RolloutConfig
+from tests.e2e.conftest import KL_RUN
 
-STEPS = ("trainer.num_steps=3", "trainer.eval_every_steps=0", "trainer.save_every_steps=2")
 COMPARED = ("rollout/reward/mean", "loss/total", "actor/grad_norm", "loss/approx_kl", "rollout/logp_mismatch/max_abs")
-
-
-def _run(out_dir, placement, ray_session):
-    trainer = make_trainer(tiny_config(out_dir, *STEPS, f"rollout.placement={placement}", "algorithm.kl_coef=0.01"))
-    try:
-        last = trainer.run()
-        engine = ray.get(trainer.parts.pool.actors[0].get_transitions.remote())
-        actor = trainer.parts.actors.transitions()
-        rows = {r["step"]: r for r in read_metrics(trainer.parts.checkpoint_dir.parent)}
-    finally:
-        trainer.close()
-    events = [e for _, e in sorted([(t, f"engine:{e}") for t, e in engine] + [(t, f"actor:{e}") for t, e in actor])]
-    return last, rows, events
 
 
 def _steps(events):
@@ -43,8 +27,11 @@ def _steps(events):
     return steps
 
 
-def test_colocated_run_takes_turns_and_equals_the_disaggregated_run(tmp_path, ray_session):
-    last, colocated, events = _run(tmp_path / "co", "colocated", ray_session)
+def test_colocated_run_takes_turns_and_equals_the_disaggregated_run(tiny_run):
+    # The session's shared KL run (colocated by default), with a checkpoint at step 2.
+    assert RolloutConfig().placement == "colocated"
+    co = tiny_run(*KL_RUN)
+    last, colocated, events = co.last, co.rows, co.events
     for key in ("timing_s/sleep", "timing_s/onload", "timing_s/offload", "timing_s/wake"):
         assert key in last, key
     steps = _steps(events)
@@ -59,7 +46,8 @@ def test_colocated_run_takes_turns_and_equals_the_disaggregated_run(tmp_path, ra
         assert body.index("engine:sync") > offload and body.index("engine:commit") < body.index("engine:wake"), step
         assert body[-1] == "engine:wake", step
 
-    _, disaggregated, events = _run(tmp_path / "dis", "disaggregated", ray_session)
+    dis = tiny_run(*KL_RUN, "rollout.placement=disaggregated")
+    disaggregated, events = dis.rows, dis.events
     assert not any(e in events for e in ("engine:sleep", "actor:offload")), events
     assert sorted(colocated) == sorted(disaggregated) == [1, 2, 3]
     for step in (1, 2, 3):

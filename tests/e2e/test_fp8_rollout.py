@@ -3,25 +3,12 @@ the log-prob mismatch metric shows the FP8 drift that the float32 run does not h
 
 import math
 
-from megatron_rl.loop.pipeline import make_trainer
-from megatron_rl.observability import read_metrics
-from tests.e2e.conftest import tiny_config
-
-STEPS = ("trainer.num_steps=3", "trainer.eval_every_steps=0", "trainer.save_every_steps=0")
+from tests.e2e.conftest import BASELINE
 
 
-def _rows(out_dir, *extra):
-    trainer = make_trainer(tiny_config(out_dir, *STEPS, *extra))
-    try:
-        trainer.run()
-        return {r["step"]: r for r in read_metrics(trainer.parts.checkpoint_dir.parent)}
-    finally:
-        trainer.close()
-
-
-def test_fp8_rollout_weights_train_and_show_their_drift(tmp_path, ray_session):
-    fp8 = _rows(tmp_path / "fp8", "rollout.weight_dtype=fp8")
-    full = _rows(tmp_path / "full")
+def test_fp8_rollout_weights_train_and_show_their_drift(tiny_run):
+    fp8 = tiny_run(*BASELINE, "rollout.weight_dtype=fp8").rows
+    full = tiny_run(*BASELINE).rows  # the session's shared 3-step run
     assert sorted(fp8) == [1, 2, 3]
     for step, row in fp8.items():
         assert math.isfinite(row["loss/total"]) and math.isfinite(row["actor/grad_norm"])

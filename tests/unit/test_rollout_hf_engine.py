@@ -153,3 +153,32 @@ def test_bad_requests_name_the_prompt(engine):
         engine.generate([[1] * 250], SamplingParams(max_new_tokens=10))
     with pytest.raises(ValueError, match="accepts"):
         HFEngine(engine.model_path, no_such_arg=1)
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_an_engine_from_a_config_alone_waits_for_its_first_update(tmp_path, tied):
+    """A directory with a config and no weights (the run's ``engine_init``): the engine
+    expects exactly the checkpoint's tensors, refuses to generate at version -1, and after
+    the update serves like an engine started from those weights."""
+    from megatron_rl.rollout.engines.base import EngineWeightsInvalidError
+    from megatron_rl.weight_sync.receiver import checkpoint_tensors, has_weights
+
+    full = save_qwen2(tmp_path / "full", seed=3, tie_word_embeddings=tied)
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "config.json").write_text((full / "config.json").read_text())
+    assert has_weights(full) and not has_weights(bare)
+    assert checkpoint_tensors(bare, torch.float32) == checkpoint_tensors(full, torch.float32)
+
+    engine = HFEngine(bare)
+    assert engine.weight_version == -1 and engine.health()["ok"] is False
+    params = SamplingParams(n=2, temperature=0.8, max_new_tokens=6, seed=4)
+    with pytest.raises(EngineWeightsInvalidError):
+        engine.generate(PROMPTS, params)
+    engine.update_weights(hf_state(full).items(), version=0)
+    assert engine.weight_version == 0 and engine.health()["ok"] is True
+    got, want = engine.generate(PROMPTS, params), HFEngine(full).generate(PROMPTS, params)
+    assert _ids(got) == _ids(want)
+    for a, b in zip(got, want):
+        for ca, cb in zip(a, b):
+            assert ca.logprobs == pytest.approx(cb.logprobs, abs=1e-6)

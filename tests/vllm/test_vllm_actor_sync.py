@@ -27,6 +27,7 @@ from megatron_rl.weight_sync.buckets import MIB, make_buckets
 from megatron_rl.weight_sync.meta import TensorMeta
 from megatron_rl.weight_sync.sync import WeightSync
 from tests.helpers.rollout_models import VLLM_MODEL, hf_state, save_qwen2, vllm_engine_args
+from tests.ray_cluster import shared_ray
 
 ray = pytest.importorskip("ray")
 
@@ -50,7 +51,7 @@ def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("vllm_actor_sync")
     actor_dir = save_qwen2(root / "actor", seed=5, **VLLM_MODEL)
     other_dir = save_qwen2(root / "other", seed=9, **VLLM_MODEL)
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    shared_ray("vllm")
     pool = RolloutPool(RolloutConfig(engine="vllm", engine_args=vllm_engine_args()), str(other_dir),
                        placement=GroupPlacement.uniform(1, num_cpus=1), weight_backend="gloo")  # fmt: skip
     try:
@@ -59,7 +60,6 @@ def setup(tmp_path_factory):
         yield pool, actor_dir, other_dir, reference
     finally:
         pool.shutdown()
-        ray.shutdown()
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))

@@ -28,6 +28,7 @@ from tests.helpers.rollout_models import (
     save_qwen2,
     vllm_engine_args,
 )
+from tests.ray_cluster import shared_ray
 
 ray = pytest.importorskip("ray")
 
@@ -62,7 +63,7 @@ def _wait_gone(pids, timeout_s=30.0):
 def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("vllm_pool")
     a, b = save_qwen2(root / "a", seed=0, **MODEL), save_qwen2(root / "b", seed=7, **MODEL)
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    shared_ray("vllm")
     config = RolloutConfig(
         engine="tests.helpers.rollout_engines:FaultOnceVLLMEngine",
         engine_args={"arm_file": str(root / "arm"), **vllm_engine_args()},
@@ -75,7 +76,6 @@ def setup(tmp_path_factory):
     finally:
         pids = [p for h in pool.health() if h.get("ok") for p in h.get("child_pids", [])]
         pool.shutdown()
-        ray.shutdown()
         assert not _wait_gone(pids), "vLLM processes outlived the pool"
 
 

@@ -44,39 +44,52 @@ def _wait_none_tagged(tag, timeout_s):
     return left
 
 
-def _train(out_dir, tag):
+def _train(out_dir, tag, log=None):
     cmd = [sys.executable, "-m", "megatron_rl", "train", str(EXAMPLE), *tiny_overrides(out_dir, *ARGS)]
     env = {**os.environ, "MEGATRON_RL_TEST_RUN": tag}
-    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    out = subprocess.PIPE if log is None else open(log, "w")  # noqa: SIM115  (closed with the process)
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
 
 
 def test_vllm_run_matches_the_actor_resumes_exactly_and_leaves_no_process(tmp_path):
     tag_a, tag_b = uuid.uuid4().hex, uuid.uuid4().hex
-    ref = _train(tmp_path / "a", tag_a)
-    out, _ = ref.communicate(timeout=900)
-    assert ref.returncode == 0, out[-4000:]
-    assert not _wait_none_tagged(tag_a, 30), "processes of a finished run are still alive"
-    a = {r["step"]: r for r in read_metrics(tmp_path / "a" / "tiny_cpu_vllm")}
-    assert sorted(a) == list(range(1, 7))
-    for row in a.values():  # vLLM's sampled-token log-probs vs the actor's recomputation
-        assert row["rollout/logp_mismatch/max_abs"] <= 1e-4, row["rollout/logp_mismatch/max_abs"]
-        assert row["weight_sync/retries"] == 0
+    # The uninterrupted run and the one to kill run side by side (separate processes, the
+    # same settings: no number changes, the wall time halves).
+    ref = _train(tmp_path / "a", tag_a, log=tmp_path / "a.log")
+    victim = _train(tmp_path / "b", tag_b, log=tmp_path / "b.log")
 
-    # kill -9 the driver alone once step 4 is checkpointed and step 5 logged
-    victim = _train(tmp_path / "b", tag_b)
-    run_dir = tmp_path / "b" / "tiny_cpu_vllm"
-    deadline = time.monotonic() + 900
-    while time.monotonic() < deadline:
-        if (run_dir / "checkpoints" / "step_000004").is_dir() and (run_dir / "metrics.jsonl").exists():
-            if any(r["step"] >= 5 for r in read_metrics(run_dir)):
-                break
-        if victim.poll() is not None:
-            pytest.fail("the run finished before it could be killed:\n" + victim.stdout.read()[-4000:])
-        time.sleep(0.05)
-    assert any("VLLM::" in cmd for _, cmd in _tagged(tag_b)), "no vLLM process found to check"
-    os.kill(victim.pid, signal.SIGKILL)
-    victim.wait()
-    assert not _wait_none_tagged(tag_b, 30), "processes of a killed run are still alive"
+    try:
+        # kill -9 the driver alone once step 4 is checkpointed and step 5 logged
+        run_dir = tmp_path / "b" / "tiny_cpu_vllm"
+        deadline = time.monotonic() + 900
+        while time.monotonic() < deadline:
+            if (run_dir / "checkpoints" / "step_000004").is_dir() and (run_dir / "metrics.jsonl").exists():
+                if any(r["step"] >= 5 for r in read_metrics(run_dir)):
+                    break
+            if victim.poll() is not None:
+                pytest.fail("the run finished before it could be killed:\n" + (tmp_path / "b.log").read_text()[-4000:])
+            time.sleep(0.05)
+        assert any("VLLM::" in cmd for _, cmd in _tagged(tag_b)), "no vLLM process found to check"
+        os.kill(victim.pid, signal.SIGKILL)
+        victim.wait()
+        assert not _wait_none_tagged(tag_b, 30), "processes of a killed run are still alive"
+
+        assert ref.wait(timeout=900) == 0, (tmp_path / "a.log").read_text()[-4000:]
+        assert not _wait_none_tagged(tag_a, 30), "processes of a finished run are still alive"
+        a = {r["step"]: r for r in read_metrics(tmp_path / "a" / "tiny_cpu_vllm")}
+        assert sorted(a) == list(range(1, 7))
+        for row in a.values():  # vLLM's sampled-token log-probs vs the actor's recomputation
+            assert row["rollout/logp_mismatch/max_abs"] <= 1e-4, row["rollout/logp_mismatch/max_abs"]
+            assert row["weight_sync/retries"] == 0
+    finally:  # a failure above must not leave the side-by-side run behind
+        for proc in (ref, victim):
+            if proc.poll() is None:
+                proc.kill()
+        for pid, _ in _tagged(tag_a) + _tagged(tag_b):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
     resumed = _train(tmp_path / "b", tag_b)
     out, _ = resumed.communicate(timeout=900)

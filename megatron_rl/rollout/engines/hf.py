@@ -40,7 +40,7 @@ from megatron_rl.rollout.engines.base import RolloutEngine
 from megatron_rl.rollout.engines.sampling import row_seeds, sample_next, sample_uniforms
 from megatron_rl.rollout.generation import Completion, GenerateStats, SamplingParams, check_prompts
 from megatron_rl.weight_sync.meta import TensorMeta
-from megatron_rl.weight_sync.receiver import checkpoint_tensors
+from megatron_rl.weight_sync.receiver import checkpoint_tensors, has_weights
 
 __all__ = ["HFEngine", "HFEngineArgs"]
 
@@ -84,7 +84,8 @@ class HFEngine(RolloutEngine):
     transfer group (``weight_sync.transports.gloo``), copying each tensor into the model.
 
     Args:
-        model_path: HF model directory (``config.json`` + safetensors).
+        model_path: HF model directory (``config.json`` + safetensors; with a config alone
+            the engine waits for its first weight update).
         name: engine name used in completions and errors.
         **engine_args: fields of :class:`HFEngineArgs`.
     """
@@ -102,9 +103,18 @@ class HFEngine(RolloutEngine):
         self.model_path = str(model_path)
         self.device = torch.device(self.args.device)
         start = time.perf_counter()
-        model = AutoModelForCausalLM.from_pretrained(
-            self.model_path, dtype=_DTYPES[self.args.dtype], attn_implementation=self.args.attn_implementation
-        )
+        if has_weights(self.model_path):
+            model = AutoModelForCausalLM.from_pretrained(
+                self.model_path, dtype=_DTYPES[self.args.dtype], attn_implementation=self.args.attn_implementation
+            )
+        else:  # a config alone: the architecture, its weights to come with the first update
+            from transformers import AutoConfig
+
+            model = AutoModelForCausalLM.from_config(
+                AutoConfig.from_pretrained(self.model_path), dtype=_DTYPES[self.args.dtype],
+                attn_implementation=self.args.attn_implementation,
+            )  # fmt: skip
+            self._await_weights()
         self.model = model.to(self.device).eval().requires_grad_(False)
         self.config = self.model.config
         self.vocab_size = int(self.config.vocab_size)

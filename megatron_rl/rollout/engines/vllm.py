@@ -48,7 +48,7 @@ from megatron_rl.config.seeding import prompt_seeds_for
 from megatron_rl.rollout.engines.base import RolloutEngine
 from megatron_rl.rollout.generation import Completion, GenerateStats, SamplingParams, check_prompts
 from megatron_rl.weight_sync.meta import TensorMeta
-from megatron_rl.weight_sync.receiver import checkpoint_tensors
+from megatron_rl.weight_sync.receiver import checkpoint_tensors, has_weights
 
 __all__ = ["VLLMEngine"]
 
@@ -124,6 +124,8 @@ class VLLMEngine(RolloutEngine):
             if not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
                 # vLLM on CPU otherwise reserves gpu_memory_utilization (0.9) of the host's memory.
                 defaults["kv_cache_memory_bytes"] = 1 << 30
+        if not has_weights(model_path):  # a config alone: vLLM's dummy weights until the first update
+            defaults["load_format"] = "dummy"
         args = {**defaults, **engine_args, "logprobs_mode": "processed_logprobs"}
         args.setdefault("weight_transfer_config", {"backend": GLOO})
         self.name = name
@@ -144,6 +146,8 @@ class VLLMEngine(RolloutEngine):
         self.vocab_size = int(model_config.get_vocab_size())
         self.dtype: torch.dtype = model_config.dtype
         self._expected = checkpoint_tensors(self.model_path, self.dtype)
+        if not has_weights(self.model_path):
+            self._await_weights()
         self._receivers = int(self.llm.llm_engine.vllm_config.parallel_config.world_size)
 
     @classmethod

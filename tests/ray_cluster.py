@@ -1,0 +1,43 @@
+"""One local Ray cluster per test tier, instead of one per test module.
+
+Starting a cluster costs seconds on the 2-core CI machine, and a tier's modules want the
+same one: :func:`shared_ray` starts it on the first call of a tier and keeps it for that
+tier's later modules; a call from another tier (or :func:`release_ray`, for a test that
+needs a cluster of its own) shuts it down first. ``tests/conftest.py`` shuts the last one
+down at the end of the session.
+
+The trainer's tests (``e2e``) get Ray's default CPUs, the machine's cores, because the
+trainer sizes its torch threads by them; the pool and weight-sync tests get four logical
+CPUs, room for two engines beside the actor ranks.
+"""
+
+from __future__ import annotations
+
+__all__ = ["release_ray", "shared_ray"]
+
+_CURRENT: list[str] = []
+"""The tier whose cluster is up (empty: none of ours)."""
+
+_NUM_CPUS = {"e2e": None}
+"""Logical CPUs of each tier's cluster (``None``: Ray's default); other tiers: 4."""
+
+
+def shared_ray(tier: str) -> None:
+    """Make sure the shared cluster of ``tier`` is up (``ray.init`` in this process)."""
+    import ray
+
+    if ray.is_initialized() and _CURRENT != [tier]:
+        release_ray()
+    if not ray.is_initialized():
+        ray.init(num_cpus=_NUM_CPUS.get(tier, 4), include_dashboard=False, configure_logging=False,
+                 log_to_driver=False)  # fmt: skip
+        _CURRENT[:] = [tier]
+
+
+def release_ray() -> None:
+    """Shut the shared cluster (or any cluster of this process) down."""
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+    _CURRENT.clear()
