@@ -64,9 +64,6 @@ class AdvantageReweighting(TokenWeightMethod):
     name = "ar"
     config_class = ARConfig
 
-    def enabled(self, section: ARConfig) -> bool:
-        return section.enabled
-
     def reads_old_logp_before_forward(self, section: ARConfig) -> bool:
         return True  # the advantages are reweighted before the loss runs
 

@@ -110,7 +110,8 @@ class PrepassTokens:
 
 
 class TokenWeightMethod:
-    """One token-weight method; every hook but :meth:`enabled` defaults to "does nothing".
+    """One token-weight method; every hook defaults to "does nothing" (and :meth:`enabled`
+    to the section's ``enabled``).
 
     A method can:
 
@@ -133,7 +134,8 @@ class TokenWeightMethod:
     """The class of the method's ``algorithm.<name>`` section."""
 
     def enabled(self, section: Any) -> bool:
-        raise NotImplementedError
+        """Whether the method is on: its section's ``enabled`` (each built-in section has one)."""
+        return bool(section.enabled)
 
     def phases(self, section: Any) -> tuple[str, ...]:
         """The update phases, in the order they run (empty: no phases)."""

@@ -59,9 +59,6 @@ class Lopti(TokenWeightMethod):
     name = "lopti"
     config_class = LoptiConfig
 
-    def enabled(self, section: LoptiConfig) -> bool:
-        return section.enabled
-
     def phases(self, section: LoptiConfig) -> tuple[str, ...]:
         return ("low", "high")
 

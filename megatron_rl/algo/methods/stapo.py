@@ -121,9 +121,6 @@ class STAPO(TokenWeightMethod):
     name = "stapo"
     config_class = STAPOConfig
 
-    def enabled(self, section: STAPOConfig) -> bool:
-        return section.enabled
-
     def needs_entropy(self, section: STAPOConfig) -> bool:
         return True
 

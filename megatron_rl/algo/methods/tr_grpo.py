@@ -89,9 +89,6 @@ class TRGRPO(TokenWeightMethod):
     name = "tr_grpo"
     config_class = TRGRPOConfig
 
-    def enabled(self, section: TRGRPOConfig) -> bool:
-        return section.enabled
-
     def token_weight(self, tokens, section: TRGRPOConfig):
         weight = tr_grpo_weight(tokens.logp, section)
         return TokenWeight(weight=weight, placement=section.placement, metric="loss/tr_grpo/weight_mean")
