@@ -21,6 +21,10 @@ _CURRENT: list[str] = []
 _NUM_CPUS = {"e2e": None}
 """Logical CPUs of each tier's cluster (``None``: Ray's default); other tiers: 4."""
 
+_NUM_GPUS = {"vllm": 4}
+"""Fake GPUs of each tier's cluster (a Ray resource only): the vLLM tier places a
+tensor-parallel engine with the project's GPU placement groups; other tiers: none."""
+
 
 def shared_ray(tier: str) -> None:
     """Make sure the shared cluster of ``tier`` is up (``ray.init`` in this process)."""
@@ -29,7 +33,7 @@ def shared_ray(tier: str) -> None:
     if ray.is_initialized() and _CURRENT != [tier]:
         release_ray()
     if not ray.is_initialized():
-        ray.init(num_cpus=_NUM_CPUS.get(tier, 4), include_dashboard=False, configure_logging=False,
+        ray.init(num_cpus=_NUM_CPUS.get(tier, 4), num_gpus=_NUM_GPUS.get(tier, 0), include_dashboard=False, configure_logging=False,
                  log_to_driver=False)  # fmt: skip
         _CURRENT[:] = [tier]
 

@@ -185,7 +185,9 @@ class ActorWorker:
 
         self.close_weight_sender()
         source = self._weight_source(dtype, bucket_bytes, fp8)
-        self.sender = open_sender(source, rank=self.rank, backend=backend, client=client, init=init)
+        self.sender = open_sender(
+            source, rank=self.rank, backend=backend, client=client, init=init, bucket_bytes=bucket_bytes
+        )
 
     def send_weights(self) -> Any:
         """One version through the open transfer group (collective on every rank); the

