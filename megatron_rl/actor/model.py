@@ -13,8 +13,9 @@ checkpoint moves between them. FP8 (TE only) is off by default.
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,7 @@ from megatron_rl.models.common import config_dict
 
 __all__ = [
     "build_gpt_model",
+    "frozen_fp8_scaling",
     "build_transformer_config",
     "layer_spec",
     "load_hf_config",
@@ -205,3 +207,36 @@ def build_gpt_model(
     if torch.cuda.is_available():
         model = model.cuda(torch.cuda.current_device())
     return model
+
+
+@contextlib.contextmanager
+def frozen_fp8_scaling(modules: Iterable[torch.nn.Module], *, options: ModelOptions) -> Iterator[None]:
+    """Keep delayed FP8 scaling where it is across a forward-only pass of a trained policy.
+
+    With the ``delayed`` recipe every FP8 forward records its amaxes and moves the scales
+    (Transformer Engine updates them when the autocast ends). The policy's old-log-prob
+    pass would then leave the first mini-batch's training forward other scales than it
+    used, and that mini-batch's ratio would not be exactly 1. Each Transformer-Engine
+    module's scaling state (``get_extra_state``: scales and amax history, what a
+    checkpoint stores) is taken before the pass and put back after it, so the pass
+    observes and changes nothing. The current-scaling recipes (``tensorwise``, ``mxfp8``,
+    ``blockwise``) keep no history: nothing to freeze. A module whose FP8 state does not
+    exist yet (before its first FP8 forward) has nothing to restore.
+
+    ``modules``: the policy's model chunks (every TE module below them is frozen: any
+    ``nn.Module`` with an ``fp8_meta`` dict and ``get_extra_state``/``set_extra_state``).
+    """
+    if options.fp8 is None or options.fp8_recipe != "delayed":
+        yield
+        return
+    saved = [
+        (module, module.get_extra_state())
+        for chunk in modules
+        for module in chunk.modules()
+        if isinstance(getattr(module, "fp8_meta", None), dict) and hasattr(module, "set_extra_state")
+    ]
+    try:
+        yield
+    finally:
+        for module, state in saved:
+            module.set_extra_state(state)

@@ -21,6 +21,7 @@ and padded at the end to the sequence multiple the kernels need (:func:`pad_mult
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, replace
 from functools import partial
@@ -34,7 +35,13 @@ from megatron_rl.actor.collectives import device, gather_token_values
 from megatron_rl.actor.compat import cpu_shim
 from megatron_rl.actor.hidden import final_hidden_states, output_weight
 from megatron_rl.actor.launch import ProcessGroups, initialize_parallel
-from megatron_rl.actor.model import build_gpt_model, build_transformer_config, load_hf_config, resolve_use_te
+from megatron_rl.actor.model import (
+    build_gpt_model,
+    build_transformer_config,
+    frozen_fp8_scaling,
+    load_hf_config,
+    resolve_use_te,
+)
 from megatron_rl.actor.spec import ActorSpec
 from megatron_rl.actor.weights import HFWeightSource, iter_hf_weights, load_hf_weights
 from megatron_rl.algo import AlgorithmConfig, LossOutput
@@ -79,10 +86,17 @@ class LogProbs:
 
 def pad_multiple(spec: ActorSpec, *, use_te: bool) -> int:
     """The multiple each micro-batch's sequence length is padded to: ``actor.pad_tokens_to_multiple_of``,
-    or what the kernels need: 16 for Transformer Engine (aligned token counts for FP8
-    GEMMs), the TP size with sequence parallelism (the sequence is split over TP)."""
+    or what the kernels need: with FP8, megatron-core's alignment of the recipe's GEMMs
+    (``fp8_utils.get_fp8_align_size``: 32 for ``mxfp8``, whose scales cover blocks of 32,
+    16 for the others); 16 for Transformer Engine without FP8; the TP size with sequence
+    parallelism (the sequence is split over TP)."""
     if spec.actor.pad_tokens_to_multiple_of is not None:
         multiple = spec.actor.pad_tokens_to_multiple_of
+    elif spec.model.fp8 is not None:
+        from megatron.core.enums import Fp8Recipe
+        from megatron.core.fp8_utils import get_fp8_align_size
+
+        multiple = get_fp8_align_size(Fp8Recipe(spec.model.fp8_recipe))
     else:
         multiple = 16 if use_te else 1
     if spec.parallel.sequence_parallel:
@@ -92,6 +106,10 @@ def pad_multiple(spec: ActorSpec, *, use_te: bool) -> int:
 
 class PolicyModel:
     """This rank's stage of a policy; construct on every rank of an initialised process group."""
+
+    freezes_fp8_scaling = True
+    """Forward-only passes leave delayed FP8 scaling as it was (``actor.model.frozen_fp8_scaling``):
+    a trained policy's scales follow its training forwards only."""
 
     def __init__(self, spec: ActorSpec, *, groups: ProcessGroups | None = None):
         self.spec = spec
@@ -259,7 +277,9 @@ class PolicyModel:
 
         for chunk in self.model_chunks:
             chunk.eval()
-        with torch.no_grad():
+        frozen = frozen_fp8_scaling(self.model_chunks, options=self.spec.model) if self.freezes_fp8_scaling else (
+            contextlib.nullcontext())  # fmt: skip
+        with torch.no_grad(), frozen:
             reports = self._run_schedule(microbatches, loss_func, forward_only=True)
         return [(r["logp"], r["entropy"]) for r in reports]
 

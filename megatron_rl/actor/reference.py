@@ -33,6 +33,10 @@ __all__ = ["ReferencePolicy"]
 class ReferencePolicy(PolicyModel):
     """This rank's stage of the frozen reference policy."""
 
+    freezes_fp8_scaling = False
+    """The reference never trains: its forward-only passes are what calibrate its delayed
+    FP8 scales (frozen, they would stay at their initial value)."""
+
     def __init__(self, spec: ActorSpec, *, groups: ProcessGroups | None = None):
         super().__init__(spec, groups=groups)
         self.model.requires_grad_(False)

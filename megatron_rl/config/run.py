@@ -22,6 +22,11 @@ def _default_model() -> ModelConfig:
     return ModelConfig(tiny=TinyModelConfig())
 
 
+FP8_ALIGN_TOKENS = {"mxfp8": 32}
+"""Token alignment of FP8 GEMMs by recipe (others: 16): megatron-core's
+``fp8_utils.get_fp8_align_size``, which this config layer may not import;
+``tests/unit/test_fp8_padding.py`` checks the two agree."""
+
 @dataclass(kw_only=True)
 class RunConfig:
     """A whole RL run: one section per component, each documented field by field."""
@@ -52,6 +57,7 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         self._check_batching()
+        self._check_fp8_padding()
         self._check_model_fits()
         self._check_supported()
         self._warn_ignored()
@@ -76,6 +82,18 @@ class RunConfig:
                 "trainer.max_tokens_per_microbatch",
                 f"got {self.trainer.max_tokens_per_microbatch}; must hold one whole sequence: "
                 f"rollout.max_prompt_tokens + rollout.max_new_tokens = {longest}",
+            )
+
+    def _check_fp8_padding(self) -> None:
+        multiple = self.actor.pad_tokens_to_multiple_of
+        if self.model.fp8 is None or multiple is None:
+            return
+        align = FP8_ALIGN_TOKENS.get(self.model.fp8_recipe, 16)
+        if multiple % align:
+            raise ConfigError(
+                "actor.pad_tokens_to_multiple_of",
+                f"got {multiple}; FP8 GEMMs of model.fp8_recipe {self.model.fp8_recipe!r} need token counts "
+                f"aligned to {align} (use a multiple of {align}, or null for the recipe's own)",
             )
 
     def _check_model_fits(self) -> None:

@@ -239,8 +239,9 @@ class ActorConfig:
 
     pad_tokens_to_multiple_of: int | None = None
     """Pad each micro-batch's sequence length to a multiple of this (padding never enters
-    the loss); null: what the kernels need (16 with Transformer Engine, so FP8 GEMMs get
-    aligned token counts; the TP size with sequence parallelism), else 1."""
+    the loss); null: what the kernels need (with FP8 the recipe's GEMM alignment: 32 for
+    ``mxfp8``, 16 otherwise; 16 with Transformer Engine; the TP size with sequence
+    parallelism), else 1. With FP8 a value must be a multiple of the recipe's alignment."""
 
     def __post_init__(self) -> None:
         check_literals(self)
