@@ -1,7 +1,9 @@
 """The trainer with real vLLM engines (``examples/tiny_cpu_vllm.yaml``, weights through the
 collective gloo transport): log-prob parity with the Megatron actor on every step, kill -9
 of the driver then resume reproducing an uninterrupted run, and no process of the run --
-vLLM's engine cores and workers included -- left behind after an exit or a kill.
+vLLM's engine cores and workers included -- left behind after an exit or a kill. With a
+tensor-parallel engine (``rollout.tensor_parallel_size=2``), colocated and disaggregated:
+the reward rises, the log-probs match the actor's, and nothing is left behind.
 
 Processes are recognised by an environment tag every process of the run inherits (the
 driver's local Ray, its workers, and vLLM's processes below them).
@@ -9,6 +11,7 @@ driver's local Ray, its workers, and vLLM's processes below them).
 
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -101,3 +104,43 @@ def test_vllm_run_matches_the_actor_resumes_exactly_and_leaves_no_process(tmp_pa
             assert b[step][key] == pytest.approx(a[step][key], rel=1e-6, abs=1e-6), (step, key)
     assert b[6]["eval/accuracy/mean"] == a[6]["eval/accuracy/mean"]
     assert not _wait_none_tagged(tag_b, 30)
+
+
+TP2_STEPS, TP2_WINDOW = 80, 20
+
+
+def test_tensor_parallel_engines_train_colocated_and_disaggregated(tmp_path):
+    """Both placements run side by side (separate runs); each must learn: the mean reward of
+    the last 20 of 80 steps beats the first 20 by more than 0.1 and five standard errors."""
+    runs = {}
+    try:
+        for placement in ("colocated", "disaggregated"):
+            tag = uuid.uuid4().hex
+            cmd = [sys.executable, "-m", "megatron_rl", "train", str(EXAMPLE), *tiny_overrides(
+                tmp_path / placement, f"trainer.num_steps={TP2_STEPS}", "trainer.save_every_steps=0",
+                "trainer.eval_every_steps=0", "rollout.tensor_parallel_size=2", f"rollout.placement={placement}")]  # fmt: skip
+            log = open(tmp_path / f"{placement}.log", "w")  # noqa: SIM115  (closed with the process)
+            env = {**os.environ, "MEGATRON_RL_TEST_RUN": tag}
+            proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+            runs[placement] = (proc, tag)
+        for placement, (proc, tag) in runs.items():
+            assert proc.wait(timeout=1200) == 0, (tmp_path / f"{placement}.log").read_text()[-4000:]
+            assert not _wait_none_tagged(tag, 30), f"{placement}: processes of a finished run are still alive"
+    finally:
+        for proc, tag in runs.values():
+            if proc.poll() is None:
+                proc.kill()
+            for pid, _ in _tagged(tag):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+    for placement in runs:
+        records = read_metrics(tmp_path / placement / "tiny_cpu_vllm")
+        assert len(records) == TP2_STEPS
+        assert max(r["rollout/logp_mismatch/max_abs"] for r in records) <= 1e-3
+        rewards = [r["rollout/reward/mean"] for r in records]
+        first, last = rewards[:TP2_WINDOW], rewards[-TP2_WINDOW:]
+        rise = statistics.mean(last) - statistics.mean(first)
+        noise = (statistics.variance(first) / TP2_WINDOW + statistics.variance(last) / TP2_WINDOW) ** 0.5
+        assert rise > max(0.1, 5 * noise), f"{placement}: rise {rise:.3f}, noise {noise:.3f}, rewards {rewards[::10]}"
