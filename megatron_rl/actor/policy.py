@@ -320,12 +320,13 @@ class PolicyModel:
             gated_linear_unit=bool(self.transformer_config.gated_linear_unit),
         )
 
-    def weight_source(self, *, dtype: torch.dtype, bucket_bytes: int = 512 * 2**20) -> HFWeightSource:
-        """The HF-named weights in ``dtype`` as a weight-transfer source (``actor.weights``)."""
+    def weight_source(self, *, dtype: torch.dtype, every_rank: bool = False) -> HFWeightSource:
+        """The HF-named weights in ``dtype`` as a weight-transfer source (``actor.weights``):
+        full tensors on global rank 0 only, or on ``every_rank``."""
         return HFWeightSource(
             self.model,
             dtype=dtype,
-            bucket_bytes=bucket_bytes,
+            every_rank=every_rank,
             adapter=self.adapter,
             hf_config=self.hf_config,
             padded_vocab_size=self.padded_vocab_size,

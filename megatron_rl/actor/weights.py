@@ -43,6 +43,7 @@ __all__ = [
     "HFWeightSource",
     "global_parameters",
     "gather_tp_shards",
+    "gather_tp_shards_to_first",
     "concat_tp_shards",
     "take_tp_shard",
     "iter_hf_weight_buckets",
@@ -87,6 +88,26 @@ def gather_tp_shards(
     return concat_tp_shards(name, shards, dim=int(param.partition_dim), gated_linear_unit=gated_linear_unit)
 
 
+def gather_tp_shards_to_first(
+    name: str, param: torch.Tensor, *, groups: ProcessGroups, gated_linear_unit: bool
+) -> torch.Tensor | None:
+    """The full tensor of a (possibly) tensor-parallel parameter on TP rank 0 of
+    ``groups.tp`` (a copy), ``None`` on the other TP ranks.
+
+    Collective on ``groups.tp`` (a gather to TP rank 0) when the parameter is TP-split:
+    unlike :func:`gather_tp_shards`, only the receiving rank allocates the full tensor."""
+    tensor = param.detach()
+    if groups.tp_size == 1 or not getattr(param, "tensor_model_parallel", False):
+        return tensor.clone() if groups.tp_rank == 0 else None
+    first = dist.get_global_rank(groups.tp, 0)
+    if groups.tp_rank != 0:
+        dist.gather(tensor.contiguous(), None, dst=first, group=groups.tp)
+        return None
+    shards = [torch.empty_like(tensor) for _ in range(groups.tp_size)]
+    dist.gather(tensor.contiguous(), shards, dst=first, group=groups.tp)
+    return concat_tp_shards(name, shards, dim=int(param.partition_dim), gated_linear_unit=gated_linear_unit)
+
+
 def concat_tp_shards(name: str, shards: list[torch.Tensor], *, dim: int, gated_linear_unit: bool) -> torch.Tensor:
     """Join the TP shards of parameter ``name`` (rank order) into its full tensor.
 
@@ -122,16 +143,27 @@ def iter_hf_weight_buckets(
     groups: ProcessGroups,
     gated_linear_unit: bool = True,
     bucket_bytes: int = 512 * 2**20,
+    to_first_rank: bool = False,
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Yield buckets ``[(hf_name, full tensor), ...]`` covering the whole HF state dict.
 
     A bucket closes once it holds at least ``bucket_bytes`` (so one large tensor may
     exceed it); the last bucket may be smaller. Order: the adapter's unit order
-    (embedding, layers, final norm, lm_head). Collectives: all-gather on
-    ``groups.tp`` and broadcast on ``groups.pp`` per unit; every rank yields the same.
+    (embedding, layers, final norm, lm_head).
+
+    Collectives, per unit: by default an all-gather on ``groups.tp`` and a broadcast on
+    ``groups.pp``, and every rank yields the same (each DP replica on its own). With
+    ``to_first_rank`` only the first rank of the first replica (global rank 0, the one
+    that sends a weight sync) receives full tensors: the owning stage's TP ranks gather to
+    their TP rank 0, which sends the unit to stage 0 point to point; every other rank
+    yields nothing, and the ranks of other DP replicas take part in nothing (they hold
+    the same weights). A sync then costs one unit's full tensor on the sending rank and
+    nothing beyond its shards elsewhere.
     """
     if bucket_bytes < 1:
         raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
+    if to_first_rank and groups.dp_rank != 0:
+        return
     local = global_parameters(model)
     owners = _ownership(local, groups)
     units = adapter.weight_units(hf_config, padded_vocab_size=padded_vocab_size)
@@ -142,18 +174,23 @@ def iter_hf_weight_buckets(
         if unit.mcore_name not in owners:
             raise KeyError(f"no pipeline stage holds '{unit.mcore_name}' (model and HF config disagree?)")
         stage, dtype = owners[unit.mcore_name]
-        if stage == groups.pp_rank:
-            full = gather_tp_shards(
-                unit.mcore_name,
-                local[unit.mcore_name],
-                tp_group=groups.tp,
-                tp_size=groups.tp_size,
-                gated_linear_unit=gated_linear_unit,
-            )
+        if to_first_rank:
+            full = _unit_on_first_rank(unit, local, stage, dtype, device, groups, gated_linear_unit)
+            if full is None:
+                continue
         else:
-            full = torch.empty(unit.mcore_shape, dtype=dtype, device=device)
-        if groups.pp_size > 1:
-            dist.broadcast(full, src=groups.pp_global_ranks[stage], group=groups.pp)
+            if stage == groups.pp_rank:
+                full = gather_tp_shards(
+                    unit.mcore_name,
+                    local[unit.mcore_name],
+                    tp_group=groups.tp,
+                    tp_size=groups.tp_size,
+                    gated_linear_unit=gated_linear_unit,
+                )
+            else:
+                full = torch.empty(unit.mcore_shape, dtype=dtype, device=device)
+            if groups.pp_size > 1:
+                dist.broadcast(full, src=groups.pp_global_ranks[stage], group=groups.pp)
         for name, tensor in adapter.mcore_to_hf(unit, full):
             if tensor.storage_offset() != 0 or tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
                 # A slice of `full` (gate/up halves, vocab rows without padding): give it
@@ -166,6 +203,25 @@ def iter_hf_weight_buckets(
             bucket, size = [], 0
     if bucket:
         yield bucket
+
+
+def _unit_on_first_rank(
+    unit: Any, local: Mapping[str, torch.Tensor], stage: int, dtype: torch.dtype, device: torch.device,
+    groups: ProcessGroups, gated_linear_unit: bool,
+) -> torch.Tensor | None:  # fmt: skip
+    """One unit's full tensor on global rank 0 (``None`` elsewhere): TP gather within the
+    owning stage, then a point-to-point send to stage 0 over the TP-rank-0 ranks' PP group."""
+    full = None
+    if stage == groups.pp_rank:
+        full = gather_tp_shards_to_first(unit.mcore_name, local[unit.mcore_name], groups=groups,
+                                         gated_linear_unit=gated_linear_unit)  # fmt: skip
+        if stage != 0 and full is not None:
+            dist.send(full, dst=groups.pp_global_ranks[0], group=groups.pp)
+            full = None
+    elif groups.pp_rank == 0 and groups.tp_rank == 0:
+        full = torch.empty(unit.mcore_shape, dtype=dtype, device=device)
+        dist.recv(full, src=groups.pp_global_ranks[stage], group=groups.pp)
+    return full
 
 
 def iter_hf_weights(
@@ -254,14 +310,17 @@ class HFWeightSource:
     device, so a bf16 engine costs half the bytes of a float32 actor).
 
     ``metadata()`` comes from the adapter's weight units (names and full shapes, no
-    collectives); iteration is :func:`iter_hf_weights` (collectives: every rank of the
-    model-parallel group iterates it in lockstep).
+    collectives); iteration is :func:`iter_hf_weights` one unit at a time (the senders
+    bucket the stream themselves; collectives: every rank iterates it in lockstep).
+    ``every_rank``: every rank receives the full tensors (vLLM's CUDA IPC, where each
+    GPU's actor rank hands its own copy to the engine worker on that GPU); otherwise only
+    global rank 0, the sender, does (``to_first_rank``) and the others yield nothing.
     """
 
-    def __init__(self, model: torch.nn.Module, *, dtype: torch.dtype, bucket_bytes: int, **kwargs: Any):
+    def __init__(self, model: torch.nn.Module, *, dtype: torch.dtype, every_rank: bool = False, **kwargs: Any):
         self.model = model
         self.dtype = dtype
-        self.bucket_bytes = bucket_bytes
+        self.every_rank = every_rank
         self.kwargs = kwargs
 
     def metadata(self) -> list[TensorMeta]:
@@ -272,5 +331,6 @@ class HFWeightSource:
         return [TensorMeta(n, dtype, tuple(s)) for unit in units for n, s in zip(unit.hf_names, unit.hf_shapes)]
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        for name, tensor in iter_hf_weights(self.model, bucket_bytes=self.bucket_bytes, **self.kwargs):
+        stream = iter_hf_weights(self.model, bucket_bytes=1, to_first_rank=not self.every_rank, **self.kwargs)
+        for name, tensor in stream:
             yield name, tensor if tensor.dtype == self.dtype else tensor.to(self.dtype)

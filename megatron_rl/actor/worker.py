@@ -150,10 +150,11 @@ class ActorWorker:
             if self.reference is not None:
                 self.reference.load_weights_checkpoint(source)
 
-    def _weight_source(self, dtype: str, bucket_bytes: int, fp8: bool) -> Any:
-        """The actor's HF-named tensors in ``dtype``; with ``fp8`` the projection weights in
-        block-wise FP8 plus their scales (``weight_sync.fp8``)."""
-        source = self.actor.weight_source(dtype=dtype_of(dtype), bucket_bytes=bucket_bytes)
+    def _weight_source(self, dtype: str, fp8: bool, *, every_rank: bool = False) -> Any:
+        """The actor's HF-named tensors in ``dtype``, full on rank 0 only (or on
+        ``every_rank``); with ``fp8`` the projection weights in block-wise FP8 plus their
+        scales (``weight_sync.fp8``)."""
+        source = self.actor.weight_source(dtype=dtype_of(dtype), every_rank=every_rank)
         if fp8:
             from megatron_rl.weight_sync.fp8 import Fp8Source
 
@@ -166,16 +167,16 @@ class ActorWorker:
         the object store as it is yielded. Other ranks take part in the gathers and yield
         nothing."""
         self.transitions.append((time.time(), "sync"))
-        named = self._weight_source(dtype, bucket_bytes, fp8)
+        named = self._weight_source(dtype, fp8)
         if self.rank != 0:
-            for _ in named:  # every rank takes part in the gathers
+            for _ in named:  # the ranks holding shards take part in the gathers
                 pass
             return
         yield from make_buckets(named, bucket_bytes)
 
     def weight_metadata(self, dtype: str, fp8: bool = False) -> list[TensorMeta]:
         """Every HF-named tensor a sync sends, in ``dtype`` (no collectives)."""
-        return self._weight_source(dtype, 1, fp8).metadata()
+        return self._weight_source(dtype, fp8).metadata()
 
     def open_weight_sender(
         self, backend: str, client: Any, init: dict[str, Any], dtype: str, bucket_bytes: int, fp8: bool = False
@@ -184,7 +185,8 @@ class ActorWorker:
         from megatron_rl.weight_sync.sender import open_sender
 
         self.close_weight_sender()
-        source = self._weight_source(dtype, bucket_bytes, fp8)
+        # vLLM's IPC needs each GPU's own copy (every actor rank hands its engine worker one).
+        source = self._weight_source(dtype, fp8, every_rank=backend == "ipc")
         self.sender = open_sender(
             source, rank=self.rank, backend=backend, client=client, init=init, bucket_bytes=bucket_bytes
         )

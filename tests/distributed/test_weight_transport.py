@@ -1,7 +1,8 @@
 """The host weight transports of the run's sync path (``weight_sync.WeightSync``: object
-store, shared memory, gloo collective) from actor layouts TP1/PP1, TP2 and PP2 into a
-pool of 2 built-in engines: after each sync every engine's weights are bit-identical to
-the actor's gathered HF weights (SHA-256 per tensor). An engine that dies mid-sync is
+store, shared memory, gloo collective) from actor layouts TP1/PP1, TP2 x PP2 and DP2 into
+a pool of 2 built-in engines: after each sync every engine's weights are bit-identical to
+the actor's HF weights gathered on every rank (SHA-256 per tensor), while the sync itself
+gathers them on the sending rank only. An engine that dies mid-sync is
 restarted and the sync retried: the pool ends consistent (every engine on the new
 version, bit-identical), never half-updated."""
 
@@ -26,7 +27,9 @@ from tests.helpers.rollout_models import ACTOR_HF_CONFIG as HF_CONFIG  # noqa: E
 from tests.helpers.rollout_models import save_actor_hf  # noqa: E402
 from tests.ray_cluster import shared_ray
 
-LAYOUTS = {"tp1": (1, 1), "tp2": (2, 1), "pp2": (1, 2)}
+LAYOUTS = {"tp1": (1, 1, 1), "tp2_pp2": (2, 2, 1), "dp2": (1, 1, 2)}
+"""(TP, PP, DP): at TP 2 x PP 2 stage 1's TP ranks gather to their first rank, which sends
+the unit to rank 0; at DP 2 the second replica takes part in nothing."""
 TRANSPORTS = {"object_store": "object_store", "shared_memory": "object_store", "collective": "gloo"}
 BUCKETS = ("object_store", "shared_memory")  # the pool keeps what it loaded: it restores a dead engine itself
 
@@ -69,15 +72,15 @@ def _engine_digests(pool):
     return [ray.get(actor.weight_checksums.remote()) for actor in pool.actors]
 
 
-def _actors(tp, pp):
+def _actors(tp, pp, dp=1):
     spec = ActorSpec(
         architecture=dict(HF_CONFIG),
         parallel=ParallelConfig(
-            num_actor_ranks=tp * pp, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp
+            num_actor_ranks=tp * pp * dp, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp
         ),
         trainer=TrainerConfig(seed=7),
     )
-    return ActorGroup(spec, GroupPlacement.uniform(tp * pp, num_cpus=0))
+    return ActorGroup(spec, GroupPlacement.uniform(tp * pp * dp, num_cpus=0))
 
 
 def _sync(actors, pool, transport):
