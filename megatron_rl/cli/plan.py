@@ -56,6 +56,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"  {name:<28}{_fmt(value)}")
         # not the sum: the forward-backward's transients and the optimizer step's never coexist
         print(f"  {'training peak':<28}{_fmt(plan.training_bytes)}  (resident + the larger phase's transients)")
+        print(f"  {'weight sync total':<28}{_fmt(plan.sync_bytes)}  (rank 0; the sync adds "
+              f"{_fmt(plan.sync_transient_bytes).strip()})")  # fmt: skip
         print(f"  {'generation total':<28}{_fmt(plan.generation_bytes)}")
         if gpu is not None:
             verdict = "fits" if plan.fits else "does NOT fit"

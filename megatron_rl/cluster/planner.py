@@ -110,6 +110,12 @@ class MemoryPlan:
     """Component -> bytes during training (see the module docstring)."""
     generation_bytes: int = 0
     """Bytes during generation: the actor's resident state plus the colocated engines' share."""
+    sync_bytes: int = 0
+    """Bytes on the sending rank's GPU during a weight sync: what is resident then (the
+    weights, plus a colocated engine's woken weights; disaggregated: the training state)
+    and :attr:`sync_transient_bytes`."""
+    sync_transient_bytes: int = 0
+    """What a weight sync adds on the sending rank (:func:`sync_transient_bytes`)."""
     gpu_memory_bytes: int | None = None
     """The GPU's memory, when given."""
     stage: int = 0
@@ -130,8 +136,8 @@ class MemoryPlan:
 
     @property
     def total_bytes(self) -> int:
-        """The peak of the two phases (training and generation)."""
-        return max(self.training_bytes, self.generation_bytes)
+        """The peak of the three phases (training, weight sync, generation)."""
+        return max(self.training_bytes, self.sync_bytes, self.generation_bytes)
 
     @property
     def fits(self) -> bool | None:
@@ -142,6 +148,8 @@ class MemoryPlan:
             "stage": self.stage,
             "components_bytes": dict(self.components),
             "training_bytes": self.training_bytes,
+            "sync_bytes": self.sync_bytes,
+            "sync_transient_bytes": self.sync_transient_bytes,
             "generation_bytes": self.generation_bytes,
             "total_bytes": self.total_bytes,
             "gpu_memory_bytes": self.gpu_memory_bytes,
@@ -277,10 +285,19 @@ def plan_memory(
         else:
             plan.generation_bytes = c["parameters"] + c["gradients"] + c["optimizer_state"] + c["reference_policy"]
         generation = max(generation, plan.generation_bytes)
+        if stage == 0:  # global rank 0 sends every sync
+            transient = sync_transient_bytes(arch, parallel=parallel, model=model, rollout=rollout, use_cuda=use_te)
+            if rollout.placement == "colocated" and engines:
+                # the engine on this GPU wakes its weights (its TP shard), not its KV cache
+                resident = c["parameters"] + _engine_weight_bytes(arch, model, rollout)
+            else:
+                resident = plan.generation_bytes
+            sync = (resident + transient, transient)
         if best is None or plan.training_bytes > best.training_bytes:
             best = plan
     assert best is not None
     best.generation_bytes = generation  # the stage whose resident state is largest
+    best.sync_bytes, best.sync_transient_bytes = sync
     best.notes.append(
         "activations assume " + ("Transformer Engine's fused attention" if flash else (
             "megatron's unfused attention (attention dropout)" if arch.attention_dropout > 0 else
@@ -291,6 +308,54 @@ def plan_memory(
         best.notes.append("generation: the actor keeps only its weights on the GPU (gradients, optimizer state and "
                           "reference offloaded) while the engines hold their share")  # fmt: skip
     return best
+
+
+def _dtype_bytes(name: str) -> int:
+    return {"bfloat16": 2, "float16": 2, "float32": 4}.get(str(name).removeprefix("torch."), 2)
+
+
+def _engine_weight_bytes(arch: Architecture, model: ModelOptions, rollout: RolloutConfig) -> int:
+    """One engine worker's weights (its TP shard of the HF model, in the engines' dtype)."""
+    engine_dtype = _dtype_bytes(rollout.engine_args.get("dtype", model.dtype))
+    total = stage_parameters(arch, tp=1, pp=1, stage=0, divisible_by=1)
+    return total * engine_dtype // rollout.tensor_parallel_size
+
+
+def sync_transient_bytes(
+    arch: Architecture, *, parallel: ParallelConfig, model: ModelOptions, rollout: RolloutConfig, use_cuda: bool
+) -> int:
+    """What one weight sync adds on the sending rank (global rank 0), in bytes.
+
+    The sync streams one weight unit at a time (``actor.weights``: the largest is the
+    embedding or output layer, else a layer's fused QKV or ``[gate; up]`` projection):
+    the TP gather holds the shards and their concatenation (2x the unit; 1x without TP),
+    the HF split copies it once more, and the cast to the engines' dtype adds the unit in
+    that dtype. The sender's buffers come on top, each at least the largest tensor (a
+    tensor is never split): vLLM's ``nccl`` two packed buffers of the bucket size
+    (``rollout.weight_sync_bucket_mb``), ``ipc`` one; the host transports (object store,
+    shared memory, gloo) none on a GPU (their chunks are host memory), and on CPU, where
+    host memory is the device, a packed chunk plus the chunk's tensors waiting for it.
+    """
+    a = _dtype_bytes(model.dtype)
+    e = _dtype_bytes(rollout.engine_args.get("dtype", model.dtype))
+    h, vocab = arch.hidden_size, _padded_vocab(arch.vocab_size, 1, 1)
+    layer_unit = h * max(2 * arch.ffn_hidden_size, (arch.num_attention_heads + 2 * arch.num_query_groups) * arch.head_dim)
+    unit = max(vocab * h, layer_unit)
+    tp = parallel.tensor_model_parallel_size
+    transient = unit * a * (2 if tp > 1 else 1) + unit * a + (unit * e if e != a else 0)
+    bucket = rollout.weight_sync_bucket_mb << 20
+    buffer = max(bucket, max(vocab, arch.ffn_hidden_size) * h * e)
+    transport = rollout.weight_transport
+    if transport == "auto":
+        transport = ("cuda_ipc" if rollout.placement == "colocated" and rollout.engine == "vllm" else "collective") if (
+            use_cuda) else "shared_memory"  # fmt: skip
+    if not use_cuda:
+        return transient + buffer + bucket
+    if transport == "collective":
+        return transient + (2 * buffer if rollout.engine == "vllm" else 0)
+    if transport == "cuda_ipc":
+        return transient + buffer
+    return transient
 
 
 def _colocated_engine_bytes(rollout: RolloutConfig, gpu_memory_bytes: int | None, *, use_cuda: bool) -> int:

@@ -71,3 +71,35 @@ def test_planner_covers_the_measured_peak_and_exceeds_it_by_at_most_25_percent(n
           f"ratio {plan.training_bytes / measured:.3f}; {plan.components}")  # fmt: skip
     assert 0 <= process <= PROCESS_MEMORY_MAX_BYTES
     assert 1.0 <= plan.training_bytes / measured <= 1.25
+
+
+def test_planner_covers_the_measured_weight_sync_peak_of_the_sending_rank():
+    """``benchmarks/sync_memory.py`` at TP 2 x PP 2: rank 0 sends (gathering each unit from
+    stage 1 point to point), the other ranks hold no full tensor beyond their own stage's
+    gather. The planner's ``sync_transient_bytes`` must cover rank 0's measured peak, and be
+    at most twice it (the plan assumes a unit's HF split copy that an untied, unpadded
+    output layer does not make)."""
+    spec = importlib.util.spec_from_file_location("sync_memory", REPO / "benchmarks" / "sync_memory.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    case = dict(bench.DEFAULT_CASE)
+    report = bench.launch(case)
+    from megatron_rl.cluster.planner import sync_transient_bytes
+    from megatron_rl.config.model import ModelOptions
+    from megatron_rl.config.parallel import ParallelConfig
+    from megatron_rl.config.rollout import RolloutConfig
+
+    planned = sync_transient_bytes(
+        Architecture.from_hf_config(_bench().hf_config(case)),
+        parallel=ParallelConfig(num_actor_ranks=4, tensor_model_parallel_size=2, pipeline_model_parallel_size=2),
+        model=ModelOptions(dtype=case["dtype"]),
+        rollout=RolloutConfig(weight_transport="collective", weight_sync_bucket_mb=case["bucket_mb"]),
+        use_cuda=False,
+    )
+    measured = report["sender_sync_peak_bytes"]
+    per_rank = report["sync_peak_bytes_per_rank"]
+    print(f"sync: planned {planned / 2**20:.0f} MiB, measured {measured / 2**20:.0f} MiB on rank 0; per rank "
+          f"{[round(b / 2**20) for b in per_rank]} MiB")  # fmt: skip
+    assert measured <= planned <= 2 * measured
+    # stage 0's second TP rank gathers nothing to itself
+    assert per_rank[1] < 16 * 2**20 < measured
