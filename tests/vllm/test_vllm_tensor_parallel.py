@@ -2,8 +2,9 @@
 
 The engine's Ray actor is created inside the project's placement groups on a Ray cluster
 with fake GPUs (``cluster.placement.place_on_gpus``), colocated with two actor ranks'
-bundles or on GPUs of its own. Inside a placement group vLLM would pick its Ray executor,
-whose workers ask for GPU bundles the actor ranks hold; the engine sets ``mp`` and, on
+bundles (disaggregated placement differs only in which bundles: ``test_gpu_placement``;
+a disaggregated TP=2 run trains in ``test_vllm_trainer``). Inside a placement group vLLM
+would pick its Ray executor, whose workers ask for GPU bundles the actor ranks hold; the engine sets ``mp`` and, on
 CPU, binds each worker to a core (vLLM's automatic binding needs one NUMA node per worker,
 which this machine does not have). Checked: both workers run, the engine's log-probs match
 a float32 ``transformers`` forward before and after a weight update (host tensors into both
@@ -55,15 +56,13 @@ def _assert_matches(results, seed):
     assert worst <= 1e-4, f"vLLM TP=2 vs transformers: max |dlogp| {worst}"
 
 
-@pytest.mark.parametrize("placement", ["colocated", "disaggregated"])
-def test_tp2_engine_in_placement_groups_serves_and_takes_weights(tmp_path, placement):
+def test_tp2_engine_in_placement_groups_serves_and_takes_weights(tmp_path):
     a, b = save_qwen2(tmp_path / "a", seed=0, **MODEL), save_qwen2(tmp_path / "b", seed=7, **MODEL)
     shared_ray("vllm")
     assert [n.num_gpus for n in alive_nodes()] == [4]
     rollout = RolloutConfig(
-        engine="vllm", engine_args=vllm_engine_args(), num_engines=1, tensor_parallel_size=2, placement=placement,
+        engine="vllm", engine_args=vllm_engine_args(), num_engines=1, tensor_parallel_size=2, placement="colocated",
         pool=PoolConfig(restart_timeout_s=300, request_timeout_s=300),
-        **({"num_gpus": 2} if placement == "disaggregated" else {}),
     )  # fmt: skip
     plan = plan_gpu_placement(ParallelConfig(num_actor_ranks=2), rollout, alive_nodes())
     run = place_on_gpus(plan, timeout_s=60)
@@ -75,10 +74,7 @@ def test_tp2_engine_in_placement_groups_serves_and_takes_weights(tmp_path, place
         assert health["distributed_executor_backend"] == "mp"
         assert health["weight_receivers"] == 2
         assert ray.get(pool.actors[0].gpu_ids.remote())["cuda_visible_devices"] == ",".join(gpus)
-        if placement == "colocated":  # the engine's GPUs are the actor ranks'
-            assert gpus == [r["gpu"] for r in run.layout["actor_ranks"]]
-        else:
-            assert not set(gpus) & {r["gpu"] for r in run.layout["actor_ranks"]}
+        assert gpus == [r["gpu"] for r in run.layout["actor_ranks"]]  # colocated: the actor ranks' GPUs
         _assert_matches(pool.generate(PROMPTS, PARAMS), seed=0)
 
         # Host tensors (object-store buckets) into both workers.
