@@ -1,7 +1,9 @@
 """The Megatron actor's weights into a real vLLM engine through the run's weight-sync path
-(``weight_sync.WeightSync``, transport ``collective``: a gloo group of actor rank 0 and the
-engine's workers, driven through vLLM's weight-transfer API), from actor layouts TP1/PP1,
-TP2 and PP2.
+(``weight_sync.WeightSync``), from actor layouts TP1/PP1, TP2 and PP2: transport
+``collective`` (a gloo group of actor rank 0 and the engine's workers, driven through
+vLLM's weight-transfer API) from each, and from TP2 also ``object_store`` and
+``shared_memory`` (buckets, or the shared file's descriptor, which the engine loads into
+its workers over its own gloo group).
 
 The reference is the same engine after an object-store load of the HF checkpoint the
 actors start from (that path equals a fresh engine: tests/vllm/test_vllm_engine.py). After
@@ -62,12 +64,15 @@ def setup(tmp_path_factory):
         pool.shutdown()
 
 
+TRANSPORTS = {"collective": "gloo", "object_store": "object_store", "shared_memory": "object_store"}
+"""Each host transport into vLLM (backend as ``weight_sync.resolve_transport`` picks it on
+CPU); the TP2 layout runs all three, the others the collective one."""
+
+
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_collective_sync_from_actor_layout_equals_the_checkpoint(setup, layout):
+def test_sync_from_actor_layout_equals_the_checkpoint(setup, layout):
     pool, actor_dir, other_dir, (want, want_checksums) = setup
     tp, pp = LAYOUTS[layout]
-    _load(pool, other_dir, version=200)  # the engine holds other weights before the sync
-    assert ray.get(pool.actors[0].weight_checksums.remote()) != want_checksums
     spec = ActorSpec(
         architecture=str(actor_dir),
         parallel=ParallelConfig(num_actor_ranks=tp * pp, tensor_model_parallel_size=tp,
@@ -75,25 +80,28 @@ def test_collective_sync_from_actor_layout_equals_the_checkpoint(setup, layout):
         trainer=TrainerConfig(seed=7),
     )  # fmt: skip
     actors = ActorGroup(spec, GroupPlacement.uniform(tp * pp, num_cpus=0.5))
-    rollout = RolloutConfig(engine="vllm", weight_transport="collective", weight_sync_bucket_mb=1)
-    sync = None
     try:
         actors.load_initial_weights(str(actor_dir))
-        sync = WeightSync(actors, pool, rollout, transport="collective", backend="gloo")
-        stats = sync.run(version=1)
-        assert stats["weight_sync/retries"] == 0 and stats["weight_sync/num_engines"] == 1
-        assert pool.weight_version == 1
-        assert ray.get(pool.actors[0].weight_checksums.remote()) == want_checksums
-        got = pool.generate(PROMPTS, PARAMS)
-        assert _ids(got) == _ids(want)
-        assert all(c.weight_version == 1 for g in got for c in g)
-        # the engine's log-probs vs the actor's recomputation: the trainer's mismatch metric
-        exp = build_experience(PROMPTS, got, pad_id=0)
-        actor_lp = actors.compute_logprobs(exp.batch).logp
-        metrics = logprob_mismatch(exp.batch.engine_logp, actor_lp, exp.batch.loss_mask).metrics
-        assert metrics["rollout/logp_mismatch/max_abs"] <= 1e-4, metrics
-        assert torch.isfinite(actor_lp).all()
+        for version, transport in enumerate(TRANSPORTS if layout == "tp2" else ["collective"], start=1):
+            _load(pool, other_dir, version=200 + version)  # the engine holds other weights before the sync
+            assert ray.get(pool.actors[0].weight_checksums.remote()) != want_checksums
+            rollout = RolloutConfig(engine="vllm", weight_transport=transport, weight_sync_bucket_mb=1)
+            sync = WeightSync(actors, pool, rollout, transport=transport, backend=TRANSPORTS[transport])
+            try:
+                stats = sync.run(version=version)
+            finally:
+                sync.close()
+            assert stats["weight_sync/retries"] == 0 and stats["weight_sync/num_engines"] == 1
+            assert pool.weight_version == version
+            assert ray.get(pool.actors[0].weight_checksums.remote()) == want_checksums, transport
+            got = pool.generate(PROMPTS, PARAMS)
+            assert _ids(got) == _ids(want), transport
+            assert all(c.weight_version == version for g in got for c in g)
+            # the engine's log-probs vs the actor's recomputation: the trainer's mismatch metric
+            exp = build_experience(PROMPTS, got, pad_id=0)
+            actor_lp = actors.compute_logprobs(exp.batch).logp
+            metrics = logprob_mismatch(exp.batch.engine_logp, actor_lp, exp.batch.loss_mask).metrics
+            assert metrics["rollout/logp_mismatch/max_abs"] <= 1e-4, (transport, metrics)
+            assert torch.isfinite(actor_lp).all()
     finally:
-        if sync is not None:
-            sync.close()
         actors.shutdown()
