@@ -189,6 +189,11 @@ class RolloutConfig(SamplingSettings):
         if "tensor_parallel_size" in self.engine_args:
             raise ConfigError("engine_args.tensor_parallel_size", "set rollout.tensor_parallel_size instead "
                               "(placement gives each engine that many GPUs)")  # fmt: skip
+        executor = self.engine_args.get("distributed_executor_backend", "mp")
+        if self.engine == "vllm" and executor != "mp":
+            # vLLM's Ray executor would claim GPU bundles of the run's placement groups.
+            raise ConfigError("engine_args.distributed_executor_backend", f"got {executor!r}; an engine's workers "
+                              "run as its own child processes ('mp') on the GPUs placement gave it")  # fmt: skip
         for name, most in (("num_engines", 4096), ("num_prompts_per_step", 1 << 20), ("num_samples_per_prompt", 1 << 16),
                            ("max_prompt_tokens", 1 << 20), ("weight_sync_bucket_mb", 1 << 16)):  # fmt: skip
             require_range(name, getattr(self, name), ge=1, le=most)

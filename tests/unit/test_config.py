@@ -352,3 +352,11 @@ def test_renamed_reward_key_selects_the_task(tmp_path):
 def test_settings_not_supported_yet_are_errors_not_no_ops(tmp_path, overrides, path):
     err = _load_error(tmp_path, *overrides)
     assert err.path == path and ("not supported yet" in str(err) or "only 'colocated'" in str(err))
+
+
+def test_vllm_ray_executor_is_refused_before_anything_starts(tmp_path):
+    # Inside the run's placement groups vLLM's Ray executor would ask for GPU bundles the
+    # actor ranks hold; the engine runs its workers as child processes.
+    err = _load_error(tmp_path, "rollout.engine=vllm", "rollout.engine_args={distributed_executor_backend: ray}")
+    assert err.path == "rollout.engine_args.distributed_executor_backend"
+    assert _load(tmp_path, "rollout.engine=vllm", "rollout.engine_args={distributed_executor_backend: mp}")
