@@ -200,16 +200,21 @@ def run_case(case: dict) -> dict:
 
 def launch(case: dict, *, timeout_s: float = 1800) -> dict:
     """Run ``case`` in a fresh process (torchrun for several ranks); rank 0's report."""
-    world = case["tp"] * case["pp"]
-    script = [str(Path(__file__).resolve()), "--case", json.dumps(case)]
+    return launch_case(Path(__file__), case, world=case["tp"] * case["pp"], benchmark="actor_memory", timeout_s=timeout_s)
+
+
+def launch_case(script: Path, case: dict, *, world: int, benchmark: str, timeout_s: float, env=None) -> dict:
+    """Run ``script --case JSON`` in fresh processes (torchrun when ``world`` > 1) and return
+    the last JSON line rank 0 printed for ``benchmark``."""
+    args = [str(Path(script).resolve()), "--case", json.dumps(case)]
     if world > 1:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world), *script]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world), *args]
     else:
-        cmd = [sys.executable, *script]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+        cmd = [sys.executable, *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
     if proc.returncode != 0:
         raise RuntimeError(f"case {case} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-6000:]}")
-    lines = [line for line in proc.stdout.splitlines() if line.startswith('{"benchmark": "actor_memory"')]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith(f'{{"benchmark": "{benchmark}"')]
     return json.loads(lines[-1])
 
 

@@ -21,12 +21,11 @@ import argparse
 import json
 import multiprocessing as mp
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from actor_memory import PeakRSS, hf_config  # noqa: E402
+from actor_memory import PeakRSS, hf_config, launch_case  # noqa: E402
 
 DEFAULT_CASE = {
     "hidden": 1024, "ffn": 2816, "layers": 2, "heads": 16, "kv_heads": 4, "vocab": 32000, "tie": False,
@@ -137,15 +136,9 @@ def run_case(case: dict) -> dict | None:
 
 def launch(case: dict, *, timeout_s: float = 900) -> dict:
     """Run ``case`` in fresh processes under torchrun; rank 0's report."""
-    world = case["tp"] * case["pp"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world),
-           str(Path(__file__).resolve()), "--case", json.dumps(case)]  # fmt: skip
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(128 * 1024)}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
-    if proc.returncode != 0:
-        raise RuntimeError(f"case {case} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-6000:]}")
-    lines = [line for line in proc.stdout.splitlines() if line.startswith('{"benchmark": "sync_memory"')]
-    return json.loads(lines[-1])
+    return launch_case(Path(__file__), case, world=case["tp"] * case["pp"], benchmark="sync_memory",
+                       timeout_s=timeout_s, env=env)  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -87,6 +87,22 @@ def hf_state(directory: Path) -> dict[str, torch.Tensor]:
     return dict(load_file(str(Path(directory) / "model.safetensors")))
 
 
+class StateSource:
+    """A weight source (``weight_sync.meta.WeightSource``) over an HF state dict: what the
+    actor's rank 0 streams in a sync."""
+
+    def __init__(self, state: dict[str, torch.Tensor]):
+        self.state = state
+
+    def metadata(self):
+        from megatron_rl.weight_sync.meta import TensorMeta
+
+        return [TensorMeta.of(n, t) for n, t in self.state.items()]
+
+    def __iter__(self):
+        return iter(self.state.items())
+
+
 @torch.no_grad()
 def reference_logprobs(model, prompt: Sequence[int], completion: Sequence[int], temperature: float) -> torch.Tensor:
     """``log_softmax(logits / T)`` of each completion token from one unpadded full forward.

@@ -32,7 +32,7 @@ from megatron_rl.weight_sync.client import TransferFailedError
 from megatron_rl.weight_sync.meta import TensorMeta
 from megatron_rl.weight_sync.sender import open_sender
 from tests.helpers.rollout_models import VLLM_MODEL as MODEL
-from tests.helpers.rollout_models import hf_state, save_qwen2, vllm_engine_args
+from tests.helpers.rollout_models import StateSource, hf_state, save_qwen2, vllm_engine_args
 from tests.ray_cluster import shared_ray
 
 ray = pytest.importorskip("ray")
@@ -40,17 +40,6 @@ ipc = pytest.importorskip("vllm.distributed.weight_transfer.ipc_engine")
 packed_tensor = pytest.importorskip("vllm.distributed.weight_transfer.packed_tensor")
 
 GPU_UUID = "GPU-00000000-0000-0000-0000-000000000000"
-
-
-class _StateSource:
-    def __init__(self, state):
-        self.state = state
-
-    def metadata(self):
-        return [TensorMeta.of(n, t) for n, t in self.state.items()]
-
-    def __iter__(self):
-        return iter(self.state.items())
 
 
 def _cuda_shaped_reduction(tensor):
@@ -95,7 +84,7 @@ def test_ipc_handshake_and_payload_reach_the_workers_first_cuda_call(tmp_path, m
         # tensor (512 KiB): the buffer grows to it.
         largest = max(m.num_bytes for m in metas)
         assert largest > 256 << 10
-        sender = open_sender(_StateSource(state), rank=0, backend="ipc", client=pool.client(), init={},
+        sender = open_sender(StateSource(state), rank=0, backend="ipc", client=pool.client(), init={},
                              bucket_bytes=256 << 10)  # fmt: skip
         assert sender.packed and sender.packed_buffer_size_bytes == largest
         engines = pool.begin_update(1, metas)

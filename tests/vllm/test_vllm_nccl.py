@@ -26,9 +26,9 @@ from megatron_rl.rollout import RolloutPool, SamplingParams
 from megatron_rl.weight_sync.meta import TensorMeta
 from megatron_rl.weight_sync.sender import open_sender
 from megatron_rl.weight_sync.transports.gloo import free_port
+from tests.helpers import rollout_models as models
 from tests.helpers import vllm_nccl_on_gloo
 from tests.helpers.rollout_models import VLLM_MODEL as MODEL
-from tests.helpers.rollout_models import build_qwen2, hf_state, reference_logprobs, save_qwen2, vllm_engine_args
 from tests.ray_cluster import shared_ray
 
 ray = pytest.importorskip("ray")
@@ -37,17 +37,6 @@ pytest.importorskip("vllm.distributed.weight_transfer.nccl_engine")
 PROMPTS = [[1, 2, 3], [5] * 9, [7, 8, 9, 10, 11]]
 PARAMS = SamplingParams(n=2, temperature=0.8, max_new_tokens=8, seed=5)
 REPO = Path(__file__).resolve().parents[2]
-
-
-class _StateSource:
-    def __init__(self, state):
-        self.state = state
-
-    def metadata(self):
-        return [TensorMeta.of(n, t) for n, t in self.state.items()]
-
-    def __iter__(self):
-        return iter(self.state.items())
 
 
 def _plugin_path(root: Path) -> str:
@@ -62,7 +51,7 @@ def _plugin_path(root: Path) -> str:
 
 
 def test_vllm_nccl_sender_and_receivers_move_the_weights(tmp_path, monkeypatch):
-    a, b = save_qwen2(tmp_path / "a", seed=0, **MODEL), save_qwen2(tmp_path / "b", seed=7, **MODEL)
+    a, b = models.save_qwen2(tmp_path / "a", seed=0, **MODEL), models.save_qwen2(tmp_path / "b", seed=7, **MODEL)
     shared_ray("vllm")
     env = {
         vllm_nccl_on_gloo.ENV_FLAG: "1",
@@ -72,19 +61,19 @@ def test_vllm_nccl_sender_and_receivers_move_the_weights(tmp_path, monkeypatch):
     }
     options = tuple({"num_cpus": 1, "num_gpus": 0, "runtime_env": {"env_vars": env}} for _ in range(2))
     placement = GroupPlacement(ray_options=options, torch_threads=1)
-    config = RolloutConfig(engine="vllm", engine_args=vllm_engine_args(), num_engines=2,
+    config = RolloutConfig(engine="vllm", engine_args=models.vllm_engine_args(), num_engines=2,
                            pool=PoolConfig(restart_timeout_s=300, request_timeout_s=300))  # fmt: skip
     pool = RolloutPool(config, str(a), placement=placement, weight_backend="nccl")
     sender = None
     try:
         assert [h["weight_transfer_backend"] for h in pool.health()] == ["nccl", "nccl"]
         vllm_nccl_on_gloo.install(monkeypatch.setattr)  # the sender's side, in this process
-        state = hf_state(b)
+        state = models.hf_state(b)
         metas = [TensorMeta.of(n, t) for n, t in state.items()]
         client = pool.client()
         init = {"master_address": "127.0.0.1", "master_port": free_port(), "world_size": client.world_size}
         # 256 KiB buffers: the model (4.6 MiB) crosses in many packed chunks, double-buffered.
-        sender = open_sender(_StateSource(state), rank=0, backend="nccl", client=client, init=init,
+        sender = open_sender(models.StateSource(state), rank=0, backend="nccl", client=client, init=init,
                              bucket_bytes=256 << 10)  # fmt: skip
         assert sender.packed and sender.packed_buffer_size_bytes == 256 << 10
         engines = pool.begin_update(1, metas)
@@ -93,9 +82,9 @@ def test_vllm_nccl_sender_and_receivers_move_the_weights(tmp_path, monkeypatch):
         assert [h["weight_version"] for h in pool.health()] == [1, 1]
         results = pool.generate(PROMPTS, PARAMS)
         assert {c.engine for g in results for c in g} == {"rollout-0", "rollout-1"}
-        model = build_qwen2(7, **MODEL)
+        model = models.build_qwen2(7, **MODEL)
         worst = max(
-            (reference_logprobs(model, p, c.token_ids, PARAMS.temperature) - torch.tensor(c.logprobs))
+            (models.reference_logprobs(model, p, c.token_ids, PARAMS.temperature) - torch.tensor(c.logprobs))
             .abs()
             .max()
             .item()

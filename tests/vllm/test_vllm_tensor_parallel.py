@@ -22,9 +22,9 @@ from megatron_rl.rollout import RolloutPool, SamplingParams
 from megatron_rl.weight_sync.buckets import MIB, make_buckets
 from megatron_rl.weight_sync.meta import TensorMeta
 from megatron_rl.weight_sync.transports.gloo import GlooInitInfo, GlooSender, free_port
+from tests.helpers import rollout_models as models
 from tests.helpers.processes import wait_gone
 from tests.helpers.rollout_models import VLLM_MODEL as MODEL
-from tests.helpers.rollout_models import build_qwen2, hf_state, reference_logprobs, save_qwen2, vllm_engine_args
 from tests.ray_cluster import shared_ray
 
 ray = pytest.importorskip("ray")
@@ -33,35 +33,22 @@ PROMPTS = [[1, 2, 3], [5] * 9, [7, 8, 9, 10, 11]]
 PARAMS = SamplingParams(n=2, temperature=0.8, max_new_tokens=8, seed=3)
 
 
-class _StateSource:
-    """A weight source over an HF state dict (what the actor's rank 0 streams)."""
-
-    def __init__(self, state):
-        self.state = state
-
-    def metadata(self):
-        return [TensorMeta.of(n, t) for n, t in self.state.items()]
-
-    def __iter__(self):
-        return iter(self.state.items())
-
-
 def _assert_matches(results, seed):
-    model = build_qwen2(seed, **MODEL)
+    model = models.build_qwen2(seed, **MODEL)
     worst = 0.0
     for prompt, group in zip(PROMPTS, results):
         for c in group:
-            ref = reference_logprobs(model, prompt, c.token_ids, PARAMS.temperature)
+            ref = models.reference_logprobs(model, prompt, c.token_ids, PARAMS.temperature)
             worst = max(worst, (ref - torch.tensor(c.logprobs)).abs().max().item())
     assert worst <= 1e-4, f"vLLM TP=2 vs transformers: max |dlogp| {worst}"
 
 
 def test_tp2_engine_in_placement_groups_serves_and_takes_weights(tmp_path):
-    a, b = save_qwen2(tmp_path / "a", seed=0, **MODEL), save_qwen2(tmp_path / "b", seed=7, **MODEL)
+    a, b = models.save_qwen2(tmp_path / "a", seed=0, **MODEL), models.save_qwen2(tmp_path / "b", seed=7, **MODEL)
     shared_ray("vllm")
     assert [n.num_gpus for n in alive_nodes()] == [4]
     rollout = RolloutConfig(
-        engine="vllm", engine_args=vllm_engine_args(), num_engines=1, tensor_parallel_size=2, placement="colocated",
+        engine="vllm", engine_args=models.vllm_engine_args(), num_engines=1, tensor_parallel_size=2, placement="colocated",
         pool=PoolConfig(restart_timeout_s=300, request_timeout_s=300),
     )  # fmt: skip
     plan = plan_gpu_placement(ParallelConfig(num_actor_ranks=2), rollout, alive_nodes())
@@ -78,19 +65,19 @@ def test_tp2_engine_in_placement_groups_serves_and_takes_weights(tmp_path):
         _assert_matches(pool.generate(PROMPTS, PARAMS), seed=0)
 
         # Host tensors (object-store buckets) into both workers.
-        state = hf_state(b)
+        state = models.hf_state(b)
         metas = [TensorMeta.of(n, t) for n, t in state.items()]
         pool.sync(make_buckets(state.items(), MIB // 4), version=1, metas=metas)
         _assert_matches(pool.generate(PROMPTS, PARAMS), seed=7)
 
         # The collective path: a sender outside the engine, both workers in its group.
-        state = hf_state(a)
+        state = models.hf_state(a)
         metas = [TensorMeta.of(n, t) for n, t in state.items()]
         client = pool.client()
         assert client.world_size == 3
         engines = pool.begin_update(2, metas)
         info = GlooInitInfo(master_address="127.0.0.1", master_port=free_port(), world_size=client.world_size)
-        sender = GlooSender.trainer_init(info, client=client, source=_StateSource(state))
+        sender = GlooSender.trainer_init(info, client=client, source=models.StateSource(state))
         try:
             sender.send_weights()
         finally:
