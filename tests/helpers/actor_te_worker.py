@@ -88,6 +88,10 @@ def run(spec: dict) -> dict:
         fp8.load_hf_weights(spec["hf_dir"])
         m = fp8.train_step(batch)
         report["fp8_step"] = {k: m[k] for k in ("loss/total", "actor/grad_norm", "actor/step_skipped")}
+        # Forward-only passes leave delayed scaling frozen (actor.model.frozen_fp8_scaling):
+        # two passes over the same batch after a train step give the same log-probs bit for bit.
+        first, second = fp8.compute_logprobs(base).logp, fp8.compute_logprobs(base).logp
+        report["fp8_repeat_logp_diff"] = float((first - second).abs().max())
     return report
 
 
