@@ -47,11 +47,24 @@ def _wait_none_tagged(tag, timeout_s):
     return left
 
 
-def _train(out_dir, tag, log=None):
-    cmd = [sys.executable, "-m", "megatron_rl", "train", str(EXAMPLE), *tiny_overrides(out_dir, *ARGS)]
+def _train(out_dir, tag, log=None, args=ARGS):
+    cmd = [sys.executable, "-m", "megatron_rl", "train", str(EXAMPLE), *tiny_overrides(out_dir, *args)]
     env = {**os.environ, "MEGATRON_RL_TEST_RUN": tag}
     out = subprocess.PIPE if log is None else open(log, "w")  # noqa: SIM115  (closed with the process)
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
+
+
+def _kill_runs(runs):
+    """Kill each ``(process, tag)`` run and every process carrying its tag (a failed test
+    must not leave a side-by-side run behind)."""
+    for proc, tag in runs:
+        if proc.poll() is None:
+            proc.kill()
+        for pid, _ in _tagged(tag):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
 
 def test_vllm_run_matches_the_actor_resumes_exactly_and_leaves_no_process(tmp_path):
@@ -85,14 +98,7 @@ def test_vllm_run_matches_the_actor_resumes_exactly_and_leaves_no_process(tmp_pa
             assert row["rollout/logp_mismatch/max_abs"] <= 1e-4, row["rollout/logp_mismatch/max_abs"]
             assert row["weight_sync/retries"] == 0
     finally:  # a failure above must not leave the side-by-side run behind
-        for proc in (ref, victim):
-            if proc.poll() is None:
-                proc.kill()
-        for pid, _ in _tagged(tag_a) + _tagged(tag_b):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        _kill_runs([(ref, tag_a), (victim, tag_b)])
 
     resumed = _train(tmp_path / "b", tag_b)
     out, _ = resumed.communicate(timeout=900)
@@ -116,25 +122,14 @@ def test_tensor_parallel_engines_train_colocated_and_disaggregated(tmp_path):
     try:
         for placement in ("colocated", "disaggregated"):
             tag = uuid.uuid4().hex
-            cmd = [sys.executable, "-m", "megatron_rl", "train", str(EXAMPLE), *tiny_overrides(
-                tmp_path / placement, f"trainer.num_steps={TP2_STEPS}", "trainer.save_every_steps=0",
-                "trainer.eval_every_steps=0", "rollout.tensor_parallel_size=2", f"rollout.placement={placement}")]  # fmt: skip
-            log = open(tmp_path / f"{placement}.log", "w")  # noqa: SIM115  (closed with the process)
-            env = {**os.environ, "MEGATRON_RL_TEST_RUN": tag}
-            proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
-            runs[placement] = (proc, tag)
+            args = (f"trainer.num_steps={TP2_STEPS}", "trainer.save_every_steps=0", "trainer.eval_every_steps=0",
+                    "rollout.tensor_parallel_size=2", f"rollout.placement={placement}")  # fmt: skip
+            runs[placement] = (_train(tmp_path / placement, tag, log=tmp_path / f"{placement}.log", args=args), tag)
         for placement, (proc, tag) in runs.items():
             assert proc.wait(timeout=1200) == 0, (tmp_path / f"{placement}.log").read_text()[-4000:]
             assert not _wait_none_tagged(tag, 30), f"{placement}: processes of a finished run are still alive"
     finally:
-        for proc, tag in runs.values():
-            if proc.poll() is None:
-                proc.kill()
-            for pid, _ in _tagged(tag):
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+        _kill_runs(runs.values())
     for placement in runs:
         records = read_metrics(tmp_path / placement / "tiny_cpu_vllm")
         assert len(records) == TP2_STEPS
