@@ -35,6 +35,7 @@ sys.path.insert(0, str(REPO))
 
 from megatron_rl.cli.reaper import descendants, process_start_time  # noqa: E402
 from megatron_rl.observability import read_metrics  # noqa: E402
+from megatron_rl.rewards import reward  # noqa: E402
 from tests.helpers.checkpoints import CORRUPTIONS  # noqa: E402
 
 EXAMPLE = REPO / "examples" / "tiny_cpu.yaml"
@@ -272,6 +273,7 @@ def _error_line(text: str) -> str:
 # --------------------------------------------------------------------------- rewards
 
 
+@reward
 def always_raises(response, ground_truth):
     """A reward that cannot read any ground truth (the all-failing reward run)."""
     raise KeyError("answer")

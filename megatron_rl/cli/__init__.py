@@ -16,7 +16,8 @@ this file (:func:`register_module_subcommand`); any other can be added with
 library module imports it.
 
 Exit codes: 0 success; 1 the command could not do its job; 2 bad usage or a bad config
-(``error: ...`` on stderr, no traceback: a config error is the user's to fix, not a bug).
+(``error: ...`` on stderr, no traceback: a config error is the user's to fix, not a bug);
+3 (``train``) stopped by a signal after writing a checkpoint.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ from megatron_rl.config.lib import ConfigError, ConfigRenameWarning, ConfigWarni
 EXIT_OK = 0
 EXIT_FAILURE = 1
 EXIT_USAGE = 2
+EXIT_STOPPED = 3
+"""``train``: stopped by a signal after a checkpoint; rerunning the command continues the run."""
 
 
 @dataclass(frozen=True)

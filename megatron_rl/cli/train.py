@@ -5,10 +5,18 @@
 Before any process starts, the config is loaded (errors name file and line) and the
 pre-flight (:mod:`megatron_rl.loop.preflight`) checks every name, path, data row and the
 checkpoint to resume from; ``--dry-run`` runs exactly the same pre-flight, so a dry run
-that passes means the run gets past start-up. Exit codes: 0 done; 2 a bad config, path,
-data row or checkpoint (``error: ...`` naming the field, file or row; no traceback);
-1 a run stopped by a failure it detected itself (non-finite steps, weights or rewards).
-A driver killed without warning leaves no process behind (:mod:`.reaper`).
+that passes means the run gets past start-up. The run directory is held by one run at a
+time (:mod:`megatron_rl.loop.run_lock`). SIGTERM, SIGINT or SIGUSR1 stop the run after the
+step in progress with a checkpoint of it; a second one aborts at once
+(:mod:`megatron_rl.loop.stop`). A failure is one ``error:`` line on the screen; its
+traceback goes to ``RUN_DIR/logs/driver.log``. A driver killed without warning leaves no
+process behind (:mod:`.reaper`).
+
+Exit codes: 0 done; 1 a failure during the run (non-finite steps, weights or rewards, a
+process of the run died: rerun to resume); 2 a bad config, path, data row or checkpoint,
+a run directory in use, a Ray cluster that cannot be joined (nothing was started);
+3 stopped by a signal, checkpointed (rerun to continue); 128 + N aborted by a second
+signal N (the latest checkpoint stays the latest).
 """
 
 from __future__ import annotations
@@ -19,7 +27,7 @@ import sys
 import warnings
 from collections.abc import Iterator
 
-from megatron_rl.cli import EXIT_FAILURE, EXIT_OK, EXIT_USAGE
+from megatron_rl.cli import EXIT_FAILURE, EXIT_OK, EXIT_STOPPED, EXIT_USAGE
 from megatron_rl.config.lib import ConfigError, ConfigRenameWarning, dump_yaml, save_resolved
 
 TASK_KEY = "data.task"
@@ -97,10 +105,18 @@ def run(args: argparse.Namespace) -> int:
     except _BAD_INPUT as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE
-    if not args.dry_run:
-        return _train(config, checked)
-    _print_yaml(dump_yaml(config))
-    saved = save_resolved(config, config.run_dir)
+    from megatron_rl.loop.run_lock import RunDirInUseError, lock_run_dir
+
+    try:  # held until this process ends; a dry run must not rewrite a running run's config either
+        lock = lock_run_dir(config.run_dir)
+    except RunDirInUseError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    with lock:
+        if not args.dry_run:
+            return _train(config, checked)
+        _print_yaml(dump_yaml(config))
+        saved = save_resolved(config, config.run_dir)
     print(_placement_summary(config), file=sys.stderr)
     print(f"dry run: config is valid; resolved config saved to {saved}", file=sys.stderr)
     return EXIT_OK
@@ -112,16 +128,25 @@ _BAD_INPUT = (ConfigError, ValueError, FileExistsError, FileNotFoundError)
 
 
 def _train(config, checked) -> int:
-    from megatron_rl.observability.run_log import setup_process_logging
+    import logging
+
+    from megatron_rl.loop.stop import StopSignals
+    from megatron_rl.observability.run_log import FILE_ONLY, setup_process_logging
 
     # First: the imports below warn (megatron-core without Apex/TE); the notices go to the file.
-    setup_process_logging(config.run_dir / "logs" / "driver.log")
+    log_file = config.run_dir / "logs" / "driver.log"
+    setup_process_logging(log_file)
+    log = logging.getLogger("megatron_rl.cli.train")
+    stop = StopSignals()
+    stop.install()  # from here a signal stops the run cleanly, start-up included
     # Imported here: the trainer pulls in Ray, megatron-core and transformers.
     from ray.exceptions import RayActorError
 
     from megatron_rl.actor.checkpoint.save_load import NonFiniteWeightsError
     from megatron_rl.cli import reaper
+    from megatron_rl.loop.builder import RayClusterError
     from megatron_rl.loop.pipeline import make_trainer
+    from megatron_rl.loop.stop import RunStopped
     from megatron_rl.loop.trainer import NonFiniteStepsError
     from megatron_rl.rewards import AllRewardsFailedError
 
@@ -130,24 +155,44 @@ def _train(config, checked) -> int:
     reaper.start()
     try:
         trainer = make_trainer(config, checked=checked)
-    except _BAD_INPUT as e:
+    except (*_BAD_INPUT, RayClusterError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE
+    except Exception as e:  # noqa: BLE001  (one line here, the traceback in the log)
+        log.error("the run failed to start", exc_info=True, extra=FILE_ONLY)
+        print(f"error: the run failed to start: {type(e).__name__}: {_first_line(e)} (traceback in {log_file})",
+              file=sys.stderr)  # fmt: skip
+        return EXIT_FAILURE
+    stop.install()  # again: ray.init put its own SIGTERM handler (sys.exit) in place
+    trainer.stop = stop
     try:
         trainer.run()
+        code = EXIT_OK
+    except RunStopped as e:
+        saved = f"checkpoint {trainer.parts.checkpoint_dir / f'step_{e.step:06d}'}" if e.saved else "no new checkpoint"
+        print(f"stopped: {e.signal_name} after step {e.step} ({saved}); rerun the same command to continue",
+              file=sys.stderr)  # fmt: skip
+        code = EXIT_STOPPED
     except (NonFiniteStepsError, NonFiniteWeightsError, AllRewardsFailedError) as e:
         # Raised inside a Ray actor, the error arrives wrapped; its cause is the message.
         print(f"error: step {trainer.step}: {getattr(e, 'cause', None) or e}", file=sys.stderr)
-        return EXIT_FAILURE
+        code = EXIT_FAILURE
     except RayActorError as e:  # a rank killed from outside (OOM killer, a node lost): resumable
+        log.error("a process of the run died", exc_info=True, extra=FILE_ONLY)
         print(
             f"error: step {trainer.step}: a process of the run died ({type(e).__name__}: "
             f"{str(e).splitlines()[0][:200]}); rerun the same command to resume from the last checkpoint",
             file=sys.stderr,
         )
-        return EXIT_FAILURE
-    finally:
-        trainer.close()
+        code = EXIT_FAILURE
+    except Exception as e:  # noqa: BLE001  (any other failure: one line here, the traceback in the log)
+        log.error("the run failed at step %d", trainer.step, exc_info=True, extra=FILE_ONLY)
+        print(f"error: step {trainer.step}: {type(e).__name__}: {_first_line(e)} (traceback in {log_file}); rerun the "
+              "same command to resume from the last checkpoint", file=sys.stderr)  # fmt: skip
+        code = EXIT_FAILURE
+    code = _close(trainer, code, log, log_file)
+    if code != EXIT_OK:
+        return code
     saved = any((config.run_dir / "checkpoints").glob("step_*"))
     print(
         f"done: metrics in {config.run_dir / 'metrics.jsonl'}"
@@ -156,3 +201,23 @@ def _train(config, checked) -> int:
         file=sys.stderr,
     )
     return EXIT_OK
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [""])[0][:300]
+
+
+def _close(trainer, code: int, log, log_file) -> int:
+    """Stop every process of the run; a clean-up failure (a rank that died already) goes to
+    the log, and is the run's error only if nothing else failed."""
+    from megatron_rl.observability.run_log import FILE_ONLY
+
+    try:
+        trainer.close()
+    except Exception as e:  # noqa: BLE001
+        log.error("clean-up failed", exc_info=True, extra=FILE_ONLY)
+        if code == EXIT_OK:
+            print(f"error: the run finished but stopping its processes failed ({type(e).__name__}; traceback in "
+                  f"{log_file})", file=sys.stderr)  # fmt: skip
+            return EXIT_FAILURE
+    return code

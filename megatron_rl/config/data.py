@@ -40,9 +40,27 @@ class DataConfig:
     prompt, no pre-fill); checked against the registry when the run starts. Formerly
     ``data.reward``, which is still accepted."""
 
+    reward_modules: list[str] = field(default_factory=list)
+    """Modules (or packages, with their submodules) whose functions may be named as
+    ``data.task: module:function`` without the ``@megatron_rl.rewards.reward`` decorator;
+    any other user reward must be declared with it, so model output is only passed to a
+    function someone declared a reward. Python's ``builtins`` and modules that run code
+    or commands (``os``, ``subprocess``, ...) are refused even here."""
+
     reward_timeout_s: float = 10.0
     """Time limit for scoring one response; a response past it scores as a failed parse
     (and is counted in ``reward/timeouts``). At most 86400 (a day)."""
+
+    reward_memory_mb: int = 4096
+    """Each reward worker's address-space cap in MiB (``setrlimit(RLIMIT_AS)``): a reward
+    allocating past it gets a ``MemoryError`` and the response scores as a failure. Reward
+    workers are also the first the kernel's OOM killer takes (``oom_score_adj`` 1000), not
+    the actor or the engines. 0: no cap."""
+
+    max_abs_reward: float = 1e6
+    """A score beyond ±this is counted as a reward error naming the reward (it scores the
+    reward's ``failure_score``), not trained on: a finite but absurd reward (1e308)
+    overflows the advantages into a non-finite loss."""
 
     num_reward_workers: int = 2
     """Worker processes that score responses (model output is parsed there, never
@@ -60,9 +78,14 @@ class DataConfig:
         check_literals(self)
         require_range("reward_timeout_s", self.reward_timeout_s, gt=0.0, le=MAX_TIMEOUT_S)
         require_range("num_reward_workers", self.num_reward_workers, ge=1, le=512)
+        require_range("reward_memory_mb", self.reward_memory_mb, ge=0, le=1 << 24)
+        require_range("max_abs_reward", self.max_abs_reward, gt=0.0)
         for key in ("prompt_key", "ground_truth_key"):
             if not getattr(self, key):
                 raise ConfigError(key, "got ''; must name a column")
+        for i, module in enumerate(self.reward_modules):
+            if not isinstance(module, str) or not all(part.isidentifier() for part in module.split(".")):
+                raise ConfigError(f"reward_modules[{i}]", f"got {module!r}; must be a module name like 'my_pkg.rewards'")
         name = self.task
         if ":" in name:
             module, _, func = name.partition(":")

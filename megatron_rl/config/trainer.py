@@ -108,6 +108,14 @@ class TrainerConfig(OptimConfig):
     """Also write a checkpoint after the last step (so the run can be resumed, extended or
     converted); false skips it (benchmarks, throwaway runs)."""
 
+    keep_last_checkpoints: int = 0
+    """Keep only this many newest checkpoints of the run (older ones are deleted after each
+    save; the one ``latest`` names is never deleted); 0 keeps all."""
+
+    keep_every_steps: int = 0
+    """With ``keep_last_checkpoints``: also keep every checkpoint whose step is a multiple of
+    this (a multiple of ``save_every_steps``); 0: none beyond the newest."""
+
     eval_every_steps: int = 0
     """Evaluate on ``data.eval_files`` every this many steps; 0 disables evaluation."""
 
@@ -142,6 +150,14 @@ class TrainerConfig(OptimConfig):
         )  # fmt: skip
         require_range("save_every_steps", self.save_every_steps, ge=0)
         require_range("eval_every_steps", self.eval_every_steps, ge=0)
+        require_range("keep_last_checkpoints", self.keep_last_checkpoints, ge=0)
+        require_range("keep_every_steps", self.keep_every_steps, ge=0)
+        if self.keep_every_steps and not self.keep_last_checkpoints:
+            raise ConfigError("keep_every_steps", f"{self.keep_every_steps}: every checkpoint is kept already "
+                              "(keep_last_checkpoints: 0); set keep_last_checkpoints to prune the others")  # fmt: skip
+        if self.keep_every_steps and (not self.save_every_steps or self.keep_every_steps % self.save_every_steps):
+            raise ConfigError("keep_every_steps", f"{self.keep_every_steps} is not a multiple of save_every_steps "
+                              f"({self.save_every_steps}): no checkpoint would be written at those steps")  # fmt: skip
         require_range("seed", self.seed, ge=0, le=MAX_SEED)
         require_positive_ints(self, "max_consecutive_reward_error_steps")
         for name, least, most in (("num_steps", 1, 1 << 31), ("lr_warmup_steps", 0, 1 << 31),

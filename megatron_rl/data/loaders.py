@@ -9,8 +9,10 @@ report K&K accuracy per N).
 A bad row raises :class:`DataError` naming the file, the row (1-based: the line number
 in a ``.jsonl`` file, the record number in a ``.parquet`` file) and the field: bytes that
 are not UTF-8, invalid JSON, a row that is not an object, a missing or null field, a
-prompt that is not a non-empty string. A file without any row is an error too. Blank
-lines in ``.jsonl`` are skipped (and still counted). :func:`duplicate_ids` finds rows
+prompt that is not a non-empty string, a NUL byte, a ground truth holding NaN or an
+infinity (JSON's ``NaN``/``Infinity`` literals). A file without any row is an error too.
+A UTF-8 byte-order mark is dropped; blank lines in ``.jsonl`` are skipped (and still
+counted for row numbers; their count goes to the log). :func:`duplicate_ids` finds rows
 sharing an ``id`` (the trainer warns about them: a repeated row is weighted twice).
 
 Parquet needs ``pyarrow``, which is optional: reading a ``.parquet`` file without it is
@@ -20,12 +22,16 @@ an error that says how to install it; :func:`parquet_available` tells writers.
 from __future__ import annotations
 
 import json
+import logging
+import math
 import os
 import tempfile
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+_log = logging.getLogger(__name__)
 
 _MISSING = object()
 
@@ -82,9 +88,15 @@ def _lookup(obj: dict[str, Any], key: str) -> Any:
 
 def iter_jsonl_records(path: str | os.PathLike) -> Iterator[tuple[int, dict[str, Any]]]:
     """``(line number, object)`` for each non-blank line; :class:`DataError` on bytes that are
-    not UTF-8 or bad JSON (a UTF-8 byte-order mark at the start is allowed)."""
+    not UTF-8, a NUL byte (a binary or truncated-and-padded file), or bad JSON. A UTF-8
+    byte-order mark at the start is dropped; blank lines are skipped and counted in the log."""
+    blank = 0
     with open(path, "rb") as f:
         for line_no, raw in enumerate(f, 1):
+            nul = raw.find(b"\x00")
+            if nul >= 0:
+                raise DataError(f"holds a NUL byte at byte {nul + 1} of the line (a binary or damaged file?)",
+                                file=path, row=line_no)  # fmt: skip
             try:
                 line = raw.decode("utf-8-sig" if line_no == 1 else "utf-8")
             except UnicodeDecodeError as e:
@@ -94,6 +106,7 @@ def iter_jsonl_records(path: str | os.PathLike) -> Iterator[tuple[int, dict[str,
                     row=line_no,
                 ) from None
             if not line.strip():
+                blank += 1
                 continue
             try:
                 obj = json.loads(line)
@@ -102,6 +115,19 @@ def iter_jsonl_records(path: str | os.PathLike) -> Iterator[tuple[int, dict[str,
             if not isinstance(obj, dict):
                 raise DataError(f"expected a JSON object, got {type(obj).__name__}", file=path, row=line_no)
             yield line_no, obj
+    if blank:
+        _log.info("%s: %d blank line(s) skipped", path, blank)
+
+
+def _non_finite(value: Any) -> bool:
+    """Whether ``value`` (a JSON value) holds a NaN or an infinity anywhere."""
+    if isinstance(value, float):
+        return not math.isfinite(value)
+    if isinstance(value, dict):
+        return any(_non_finite(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(_non_finite(v) for v in value)
+    return False
 
 
 def iter_parquet_records(path: str | os.PathLike) -> Iterator[tuple[int, dict[str, Any]]]:
@@ -154,10 +180,14 @@ def load_rows(
                 )
             if not prompt.strip():
                 raise DataError("prompt is empty", file=path, row=row_no, field=prompt_key)
+            if "\x00" in prompt:
+                raise DataError("prompt holds a NUL character", file=path, row=row_no, field=prompt_key)
             truth = _lookup(record, ground_truth_key)
             if truth is _MISSING or truth is None:
                 state = "missing" if truth is _MISSING else "null"
                 raise DataError(f"ground truth is {state}", file=path, row=row_no, field=ground_truth_key)
+            if _non_finite(truth):  # JSON's NaN/Infinity literals: no reward can compare against them
+                raise DataError("ground truth holds NaN or an infinity", file=path, row=row_no, field=ground_truth_key)
             metadata = {k: v for k, v in record.items() if k not in (prompt_key, ground_truth_key)}
             rows.append(PromptRow(prompt=prompt, ground_truth=truth, file=str(path), row=row_no, metadata=metadata))
         if len(rows) == before:

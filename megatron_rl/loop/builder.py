@@ -50,6 +50,7 @@ from megatron_rl.config.lib import ConfigError, save_resolved, to_dict
 from megatron_rl.config.run import RunConfig
 from megatron_rl.data.source import PromptSource
 from megatron_rl.loop.preflight import Preflight, preflight
+from megatron_rl.loop.run_lock import RunDirLock, lock_run_dir
 from megatron_rl.models import adapter_for_config
 from megatron_rl.observability import MetricsSink
 from megatron_rl.observability.run_log import LOG_DIR_ENV
@@ -60,7 +61,11 @@ from megatron_rl.rollout.pool.worker import engine_class
 from megatron_rl.tasks import Task
 from megatron_rl.weight_sync.sync import WeightSync, resolve_transport
 
-__all__ = ["Run", "actor_spec", "build_run"]
+__all__ = ["RayClusterError", "Run", "actor_spec", "build_run"]
+
+
+class RayClusterError(RuntimeError):
+    """The Ray cluster ``RAY_ADDRESS`` names cannot be joined (the message names the address)."""
 
 
 @dataclass
@@ -92,16 +97,24 @@ class Run:
     engines_await_weights: bool = False
     """The engines started without weights (``RUN_DIR/engine_init``): the run syncs version
     0 into them before anything generates."""
+    lock: RunDirLock | None = None
+    """This process's hold on the run directory (``loop.run_lock``), released by :meth:`close`."""
 
     def close(self) -> None:
-        """Stop the engines, actor ranks and reward workers; flush the metrics."""
-        self.sink.close()
-        self.rewards.close()
-        self.weight_sync.close()
-        self.pool.shutdown()
-        self.actors.shutdown()
-        if self.placement is not None:
-            self.placement.remove()
+        """Stop the engines, actor ranks and reward workers; flush the metrics; release the run
+        directory. Every part is closed even if one fails (a rank that died makes its group's
+        clean-up raise); the first error is raised at the end."""
+        errors = []
+        for part in (self.sink.close, self.rewards.close, self.weight_sync.close, self.pool.shutdown,
+                     self.actors.shutdown, self.placement and self.placement.remove, self.lock and self.lock.release):
+            try:
+                if part:
+                    part()
+            except Exception as e:  # noqa: BLE001  (the others still close)
+                errors.append(e)
+        self.lock = None
+        if errors:
+            raise errors[0]
 
 
 def actor_spec(config: RunConfig) -> ActorSpec:
@@ -170,17 +183,42 @@ def build_run(config: RunConfig, *, checked: Preflight | None = None) -> Run:
 
     engine = engine_class(config.rollout.engine)
     transport, backend = resolve_transport(config.rollout, engine, cuda=torch.cuda.is_available())
-    run_dir.mkdir(parents=True, exist_ok=True)
-    save_resolved(config, run_dir)
-    if not ray.is_initialized():
-        address = os.environ.get("RAY_ADDRESS") or None
+    lock = lock_run_dir(run_dir)  # one run per directory; created if missing
+    try:
+        save_resolved(config, run_dir)
+        _start_ray(run_dir)
+        data = config.data
+        rewards = RewardPool(checked.task.reward, num_workers=data.num_reward_workers, timeout_s=data.reward_timeout_s,
+                             memory_mb=data.reward_memory_mb or None, max_abs_score=data.max_abs_reward)  # fmt: skip
+    except BaseException:
+        lock.release()
+        raise
+    rewards.start()  # the workers start while the actor ranks and the engines do
+    try:
+        run = _build_components(config, checked, run_dir, checkpoint_dir, prompts, rewards, transport, backend)
+    except BaseException:
+        rewards.close()
+        lock.release()
+        raise
+    run.lock = lock
+    return run
+
+
+def _start_ray(run_dir: Path) -> None:
+    """Ray for the run: the cluster ``RAY_ADDRESS`` names (Slurm's), else a local one of the
+    run's own, never one named by a file another cluster left (``address="local"``; Ray's
+    default reads ``/tmp/ray/ray_current_cluster``, stale or someone else's)."""
+    if ray.is_initialized():  # the caller's (tests, notebooks)
+        return
+    address = os.environ.get("RAY_ADDRESS") or "local"
+    try:
         ray.init(
             address=address,
             include_dashboard=False,
             # A cluster of our own starts no Python workers ahead (Ray starts num_cpus of them
             # for tasks; every worker here is an actor with the job's runtime_env, which the
             # prestarted ones lack, so they sat idle: ~45 MB each and their start-up CPU).
-            _system_config=None if address else _LEAN_RAY,
+            _system_config=_LEAN_RAY if address == "local" else None,
             log_to_driver=True,
             configure_logging=False,
             # Every worker of the job logs to RUN_DIR/logs (observability.run_log).
@@ -189,14 +227,11 @@ def build_run(config: RunConfig, *, checked: Preflight | None = None) -> Run:
                 "worker_process_setup_hook": "megatron_rl.observability.run_log.setup_worker_logging",
             },
         )
-    rewards = RewardPool(checked.task.reward, num_workers=config.data.num_reward_workers,
-                         timeout_s=config.data.reward_timeout_s)  # fmt: skip
-    rewards.start()  # the workers start while the actor ranks and the engines do
-    try:
-        return _build_components(config, checked, run_dir, checkpoint_dir, prompts, rewards, transport, backend)
-    except BaseException:
-        rewards.close()
-        raise
+    except ConnectionError as e:
+        if address == "local":
+            raise
+        raise RayClusterError(f"cannot join the Ray cluster at {address} (RAY_ADDRESS): {str(e).splitlines()[0]}; "
+                              "start it, fix the address, or unset RAY_ADDRESS for a cluster of the run's own") from e
 
 
 def _build_components(

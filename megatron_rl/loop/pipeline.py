@@ -250,6 +250,9 @@ class PipelinedTrainer(Trainer):
         except Exception as exc:  # noqa: BLE001  (raised at its own step, after this one is logged)
             self._next = exc
 
+    def update_in_flight(self) -> bool:
+        return self._next is not None  # submitted early: it runs (and is saved) before the loop stops
+
     def evaluate(self, step: int) -> dict[str, float]:
         with self.ahead.paused():  # the pool is evaluation's meanwhile
             return super().evaluate(step)

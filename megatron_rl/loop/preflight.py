@@ -120,7 +120,7 @@ def check_registries(config: RunConfig, *, task_key: str = TASK_KEY) -> Task:
     except UnknownEstimatorError as e:
         raise ConfigError("algorithm.advantage.estimator", str(e)) from None
     try:
-        task = get_task(config.data.task)
+        task = get_task(config.data.task, trusted_modules=config.data.reward_modules)
     except (UnknownTaskError, RewardLoadError) as e:
         raise ConfigError(task_key, str(e)) from None
     _read_hf_config(config)

@@ -14,6 +14,7 @@ The components are built by ``builder.py`` and do the work; this file only drive
 and keeps what makes a run resumable: the step and the data cursor, saved with the
 actor's checkpoint in one atomic write. A run stops on non-finite steps or weights, or a
 reward failing on every response (the components raise); the step that stops it is logged.
+A stop signal (``stop.py``) ends the run after the step in progress, checkpointing it.
 """
 
 from __future__ import annotations
@@ -31,8 +32,10 @@ from megatron_rl.loop.evaluate import evaluate
 from megatron_rl.loop.experience import collect
 from megatron_rl.loop.preflight import Preflight
 from megatron_rl.loop.step import finish_update, step_metrics, submit_update
+from megatron_rl.loop.stop import RunStopped, StopSignals
 from megatron_rl.observability import ProgressLine
 from megatron_rl.rewards import AllRewardsFailedError, RewardErrorStreak
+from megatron_rl.storage.checkpoints import prune_checkpoints
 
 __all__ = ["AllRewardsFailedError", "NonFiniteStepsError", "Trainer"]
 
@@ -52,28 +55,37 @@ class Trainer:
         self.reward_errors = RewardErrorStreak(config.trainer.max_consecutive_reward_error_steps)
         self.time_shared = config.rollout.placement == "colocated"
         self.step = 0
+        self.stop: StopSignals | None = None  # set by a caller that stops the run on signals
+
+    @property
+    def stopping(self) -> bool:  # a stop signal came: no step starts, the finished one is saved
+        return self.stop is not None and self.stop.requested is not None
 
     def run(self) -> dict[str, float]:
         """Train to ``trainer.num_steps``; returns the last logged step's metrics."""
         cfg, r = self.config, self.parts
         self.step = self.resume()
         last: dict[str, float] = {}
+        saved_step = None
         with ExitStack() as stack:
             progress = ProgressLine(cfg.trainer.num_steps, start_step=self.step)
             stack.callback(progress.close)
             self.start_generating(stack)
-            while self.step < cfg.trainer.num_steps:
+            # An update already submitted (early, by the pipelined loop) is finished first.
+            while self.step < cfg.trainer.num_steps and not (self.stopping and not self.update_in_flight()):
                 self.step += 1
                 last = self.train_one_step(self.step)
                 if cfg.trainer.eval_every_steps and self.step % cfg.trainer.eval_every_steps == 0:
                     last.update(self.evaluate(self.step))
-                if self.step % cfg.logging.log_every_steps == 0 or self.step == cfg.trainer.num_steps:
+                if self.step % cfg.logging.log_every_steps == 0 or self.step == cfg.trainer.num_steps or self.stopping:
                     r.sink.log(self.step, last)
                     progress.update(self.step, last)
                 # After a skipped (non-finite) step the previous checkpoint stays the latest:
                 # a run that is diverging must not push its last good state aside.
                 if self.save_due(self.step) and r.actors.consecutive_nonfinite == 0:
-                    self.save_checkpoint()
+                    saved_step = self.save_checkpoint() and self.step
+        if self.stopping:
+            raise RunStopped(self.stop.requested, self.step, saved_step == self.step)
         return last
 
     def train_one_step(self, step: int) -> dict[str, float]:
@@ -100,13 +112,17 @@ class Trainer:
     def start_generating(self, stack: ExitStack) -> None:
         """Nothing here: this loop generates each batch in its step."""
 
+    def update_in_flight(self) -> bool:  # the next step's update is with the actor already: never here
+        return False
+
     def data_cursor(self) -> dict:
         """The data cursor a checkpoint stores: nothing is drawn ahead here."""
         return self.parts.prompts.state_dict()
 
     def save_due(self, step: int) -> bool:
         every, num_steps = self.config.trainer.save_every_steps, self.config.trainer.num_steps
-        return bool((every and step % every == 0) or (step == num_steps and self.config.trainer.save_final))
+        return bool((every and step % every == 0) or (step == num_steps and self.config.trainer.save_final)
+                    or self.stopping)  # fmt: skip
 
     def evaluate(self, step: int) -> dict[str, float]:
         r, cfg = self.parts, self.config
@@ -115,11 +131,11 @@ class Trainer:
 
     def save_checkpoint(self) -> Path:
         """Actor and driver state in one atomic write (``actor.checkpoint``; refused if weights are not finite)."""
-        r = self.parts
-        state = {"step": self.step, "sampler": self.data_cursor(), **r.actors.state_dict()}
-        state.update(self.reward_errors.state_dict())
-        path = r.checkpoint_dir / f"step_{self.step:06d}"
-        return Path(r.actors.save_checkpoint(str(path), trainer_state=state))
+        r, t = self.parts, self.config.trainer
+        state = {"step": self.step, "sampler": self.data_cursor(), **r.actors.state_dict(), **self.reward_errors.state_dict()}
+        path = Path(r.actors.save_checkpoint(str(r.checkpoint_dir / f"step_{self.step:06d}"), trainer_state=state))
+        prune_checkpoints(r.checkpoint_dir, keep_last=t.keep_last_checkpoints, keep_every_steps=t.keep_every_steps)
+        return path
 
     def resume(self) -> int:
         """Load the checkpoint ``trainer.resume`` names, sync the engines; the step to continue after."""

@@ -21,18 +21,24 @@ import sys
 import warnings
 from pathlib import Path
 
-__all__ = ["LOG_DIR_ENV", "setup_process_logging", "setup_worker_logging"]
+__all__ = ["FILE_ONLY", "LOG_DIR_ENV", "setup_process_logging", "setup_worker_logging"]
 
 LOG_DIR_ENV = "MEGATRON_RL_LOG_DIR"
 """Environment variable naming the run's log directory in its Ray workers."""
 
 _FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
+FILE_ONLY = {"file_only": True}
+"""``extra=`` of a record for the log file alone: a traceback behind an ``error:`` line the
+screen shows already."""
+
 
 class _ScreenFilter(logging.Filter):
-    """The project's records at the console level, and anyone's errors."""
+    """The project's records at the console level, and anyone's errors (not :data:`FILE_ONLY` ones)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
+        if getattr(record, "file_only", False):
+            return False
         return record.name.split(".")[0] == "megatron_rl" or record.levelno >= logging.ERROR
 
 
@@ -42,9 +48,12 @@ _PACKAGE_DIR = str(Path(__file__).resolve().parents[1]) + os.sep  # .../megatron
 def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
     """``warnings.showwarning`` of a run's processes: a warning raised in this package (or
     of one of its warning classes) is a ``megatron_rl.warnings`` record, shown on screen
-    and written to the file; any other is a ``py.warnings`` record, written to the file
-    only."""
-    ours = str(filename).startswith(_PACKAGE_DIR) or category.__module__.split(".")[0] == "megatron_rl"
+    and written to the file; any other (and a deprecation notice of a library's class) is a
+    ``py.warnings`` record, written to the file only."""
+    # A library's deprecation notice can point into this package (the frame that called the
+    # library, e.g. the CPU shim's pass-through of every torch call): not ours to show.
+    ours = category.__module__.split(".")[0] == "megatron_rl" or (
+        str(filename).startswith(_PACKAGE_DIR) and not issubclass(category, (DeprecationWarning, FutureWarning)))
     # Ours without the source line (``warnings.warn(``), which says nothing on a screen.
     text = warnings.formatwarning(message, category, filename, lineno, "" if ours else line).rstrip()
     logging.getLogger("megatron_rl.warnings" if ours else "py.warnings").warning("%s", text)

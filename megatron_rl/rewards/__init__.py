@@ -34,6 +34,7 @@ from megatron_rl.rewards.registry import (
     import_by_path,
     register_reward,
     registered_rewards,
+    reward,
     reward_from_callable,
 )
 
@@ -51,6 +52,7 @@ __all__ = [
     "call_reward",
     "get_reward",
     "import_by_path",
+    "reward",
     "register_reward",
     "registered_rewards",
     "reward_from_callable",

@@ -14,7 +14,13 @@ not counted against any sample's limit. A worker dies with the process that star
 even when that one is killed with SIGKILL and cannot clean up: on Linux the kernel sends
 it SIGKILL (``prctl(PR_SET_PDEATHSIG)``; the parent *thread* counts, so score from a
 long-lived thread such as the main one), elsewhere a watch thread exits when the parent
-is gone. The function is sent to the workers by pickle,
+is gone. A worker cannot take the trainer down by eating memory: its address space is
+capped (``memory_mb``, ``resource.setrlimit(RLIMIT_AS)``: the reward gets a
+``MemoryError``, which scores as a failure) and its ``oom_score_adj`` is 1000, so when the
+machine runs out anyway the kernel kills a reward worker (scored as a failure and
+replaced) before the actor ranks and engines. A score beyond ``max_abs_score`` (a reward
+returning 1e308 overflows the advantages into a non-finite loss) is a failure naming the
+reward and the bound. The function is sent to the workers by pickle,
 so it must be importable by name (a registered reward, a ``module:function``, or any
 module-level function); a lambda or closure is refused when the pool is created.
 
@@ -82,9 +88,29 @@ def _die_with_parent(parent_pid: int) -> None:
         threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
-def _worker_main(conn: multiprocessing.connection.Connection, payload: bytes, parent_pid: int) -> None:
+def _limit_memory(memory_mb: int | None) -> None:
+    """This worker first in line for the OOM killer, and its address space capped at ``memory_mb``."""
+    try:
+        with open("/proc/self/oom_score_adj", "w") as f:  # raising it needs no privilege
+            f.write("1000")
+    except OSError:
+        pass  # not Linux
+    if memory_mb:
+        import resource
+
+        limit = memory_mb << 20
+        _, hard = resource.getrlimit(resource.RLIMIT_AS)
+        if hard != resource.RLIM_INFINITY:
+            limit = min(limit, hard)
+        resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
+
+
+def _worker_main(
+    conn: multiprocessing.connection.Connection, payload: bytes, parent_pid: int, memory_mb: int | None = None
+) -> None:
     """Worker process: load the function, then score tasks until told to stop."""
     _die_with_parent(parent_pid)
+    _limit_memory(memory_mb)
     try:
         fn = pickle.loads(payload)
     except BaseException as e:  # report any import failure instead of dying silently
@@ -161,7 +187,11 @@ class RewardPool:
         num_workers: int = 1,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         start_timeout_s: float = DEFAULT_START_TIMEOUT_S,
+        memory_mb: int | None = None,
+        max_abs_score: float | None = None,
     ):
+        """``memory_mb``: each worker's address-space cap (None: no cap); ``max_abs_score``:
+        a score beyond ±this is a failure (None: any finite score)."""
         if num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
         if not 0 < timeout_s <= MAX_TIMEOUT_S or not 0 < start_timeout_s <= MAX_TIMEOUT_S:
@@ -174,6 +204,7 @@ class RewardPool:
         self.num_workers = num_workers
         self.timeout_s = float(timeout_s)
         self.start_timeout_s = float(start_timeout_s)
+        self.memory_mb, self.max_abs_score = memory_mb, max_abs_score
         try:
             self._payload = pickle.dumps(self.fn)
         except Exception as e:
@@ -208,7 +239,7 @@ class RewardPool:
         parent_conn, child_conn = self._ctx.Pipe(duplex=True)
         process = self._ctx.Process(
             target=_worker_main,
-            args=(child_conn, self._payload, os.getpid()),
+            args=(child_conn, self._payload, os.getpid(), self.memory_mb),
             daemon=True,
             name=f"reward-{self.fn.name}",
         )
@@ -314,7 +345,11 @@ class RewardPool:
             self._discard(w)
             raise RuntimeError(f"reward worker cannot load reward {self.fn.name!r}: {message[1]}")
         else:  # "done"
-            results[message[1]] = message[2]
+            result = message[2]
+            if self.max_abs_score is not None and abs(result.score) > self.max_abs_score:
+                result = crash_result(self.fn, f"ValueError: reward {self.fn.name!r} returned {result.score!r}, beyond "
+                                      f"±{self.max_abs_score:g} (data.max_abs_reward)")  # fmt: skip
+            results[message[1]] = result
             w.state = "idle"
 
 

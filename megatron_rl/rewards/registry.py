@@ -17,8 +17,10 @@ Names resolve in one of two ways (:func:`get_reward`):
   :mod:`megatron_rl.tasks`, so they are registered once ``megatron_rl.tasks`` is imported
   (this package never imports it). A second registration raises, and an unknown name
   raises :class:`UnknownRewardError` listing the registered ones;
-- ``package.module:function``: imported by path; :class:`RewardLoadError` names the spec
-  when the import fails or the attribute is missing or not callable.
+- ``package.module:function``: imported by path; the function must be declared a reward,
+  decorated with :func:`reward` (or :func:`register_reward`), unless its module is one
+  the config trusts (``data.reward_modules``); :class:`RewardLoadError` names the spec
+  when the import fails, the attribute is missing or not callable, or it is not declared.
 
 Every function has a ``failure_score``: what a sample scores when the function raised,
 timed out, or returned something that is not a finite number (see :func:`call_reward`).
@@ -27,9 +29,13 @@ function's ``failure_score`` attribute if it has one, else 0.0. Likewise ``succe
 (default 1.0): a response scoring at least this counts as correct in accuracy metrics.
 
 Model output is data, never code: nothing here (or in the built-in rewards) calls
-``eval``/``exec`` on a response, and a ``module:function`` spec naming a function of
-Python's ``builtins`` (``builtins:eval`` would evaluate every response) or of a module
-that runs commands or code (:data:`REFUSED_MODULES`) is refused when it is loaded.
+``eval``/``exec`` on a response, and a response is only ever passed to a function that
+was declared a reward. Importable callables that would run it (``builtins:eval``,
+``cProfile:run``, ``pdb:run``, ``timeit:timeit``, ...) are countless, so a list of
+refused ones cannot be complete: declaring is what admits a function. Functions of
+Python's ``builtins`` and of modules that run commands or code (:data:`REFUSED_MODULES`)
+are refused even from a trusted module. The config itself is trusted input: naming a
+module imports it (its top-level code runs), as naming a Python file to run would.
 """
 
 from __future__ import annotations
@@ -39,7 +45,7 @@ import dataclasses
 import importlib
 import inspect
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,6 +61,9 @@ REFUSED_MODULES = frozenset(
 )  # fmt: skip
 """Modules (and their submodules) a ``module:function`` reward may not come from: none holds
 a reward, and some functions there would run the response as code or as a command."""
+
+REWARD_MARK = "__megatron_rl_reward__"
+"""The attribute :func:`reward` and :func:`register_reward` set on a function declared a reward."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -158,6 +167,7 @@ def register_reward(
         raise ValueError(f"reward {name!r}: failure_score must be finite, got {failure_score!r}")
 
     def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
+        _mark(fn)
         REWARDS.register(
             name,
             RewardFunction(
@@ -171,6 +181,38 @@ def register_reward(
         return fn
 
     return wrap
+
+
+def _mark(fn: Callable[..., Any]) -> None:
+    try:
+        setattr(fn, REWARD_MARK, True)
+    except (AttributeError, TypeError):  # a builtin or a bound method: not a reward of ours to declare
+        raise TypeError(f"{fn!r} cannot be declared a reward; write a Python function") from None
+
+
+def reward(fn: Callable[..., Any] | None = None, *, failure_score: float | None = None,
+           success_score: float | None = None):  # fmt: skip
+    """Declare ``fn`` a reward function, usable as ``data.task: package.module:fn`` (without
+    registering a name). ``failure_score`` / ``success_score`` set its scores (else its
+    attributes of those names, or 0.0 / 1.0). Usable bare (``@reward``) or with arguments::
+
+        @reward(failure_score=-1.0)
+        def exact_match(response, ground_truth):
+            return float(response.strip() == ground_truth)
+    """
+
+    def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
+        _mark(fn)
+        for key, value in (("failure_score", failure_score), ("success_score", success_score)):
+            if value is not None:
+                setattr(fn, key, value)
+        return fn
+
+    return wrap(fn) if fn is not None else wrap
+
+
+def _in_modules(module_name: str, modules: Sequence[str]) -> bool:
+    return any(module_name == m or module_name.startswith(m + ".") for m in modules)
 
 
 def registered_rewards() -> list[str]:
@@ -207,22 +249,30 @@ def import_by_path(spec: str) -> Any:
     return obj
 
 
-def reward_from_callable(spec: str, obj: Any) -> RewardFunction:
+def reward_from_callable(spec: str, obj: Any, *, trusted_modules: Sequence[str] = ()) -> RewardFunction:
     """The :class:`RewardFunction` of user object ``obj`` loaded from ``spec``: its
     ``failure_score`` / ``success_score`` attributes if set (else 0.0 / 1.0), called with
-    the arguments its signature takes.
+    the arguments its signature takes. ``obj`` must be declared a reward (:func:`reward`,
+    :func:`register_reward`) unless ``spec``'s module is in ``trusted_modules`` (a module
+    or package name; ``data.reward_modules``).
 
     Raises:
-        RewardLoadError: naming the spec, when ``obj`` is not callable, a score attribute is
-            not a finite number, or the signature cannot take ``(response, ground_truth)``.
+        RewardLoadError: naming the spec, when ``obj`` is not callable or not declared a
+            reward, a score attribute is not a finite number, or the signature cannot take
+            ``(response, ground_truth)``.
     """
+    module_name, _, attr = spec.partition(":")
     if not callable(obj):
-        attr = spec.partition(":")[2]
         raise RewardLoadError(f"reward {spec!r}: {attr!r} is not callable (it is a {type(obj).__name__})")
     if getattr(obj, "__module__", None) in REFUSED_MODULES or getattr(obj, "__self__", None) is builtins:
         # e.g. ``mymodule:ev`` after ``ev = eval`` in mymodule
         raise RewardLoadError(
             f"reward {spec!r}: it is Python's {getattr(obj, '__name__', obj)!r}, which is refused as a reward"
+        )
+    if not (getattr(obj, REWARD_MARK, False) is True or _in_modules(module_name, trusted_modules)):
+        raise RewardLoadError(
+            f"reward {spec!r}: {attr!r} is not declared a reward, so model output is not passed to it; decorate "
+            "it with @megatron_rl.rewards.reward (or register_reward), or name its module in data.reward_modules"
         )
     failure_score = getattr(obj, "failure_score", 0.0)
     if not isinstance(failure_score, (int, float)) or not math.isfinite(failure_score):
@@ -239,8 +289,9 @@ def reward_from_callable(spec: str, obj: Any) -> RewardFunction:
     )
 
 
-def get_reward(name: str) -> RewardFunction:
-    """Resolve a registered name or a ``module:function`` spec.
+def get_reward(name: str, *, trusted_modules: Sequence[str] = ()) -> RewardFunction:
+    """Resolve a registered name or a ``module:function`` spec (declared a reward, or from
+    one of ``trusted_modules``: :func:`reward_from_callable`).
 
     The built-in names are registered once :mod:`megatron_rl.tasks` is imported (which
     also re-exports this function, for callers that want them loaded).
@@ -250,7 +301,7 @@ def get_reward(name: str) -> RewardFunction:
         RewardLoadError: a ``module:function`` spec that cannot be imported or is not callable.
     """
     if ":" in name:
-        return reward_from_callable(name, import_by_path(name))
+        return reward_from_callable(name, import_by_path(name), trusted_modules=trusted_modules)
     return REWARDS.get(name)
 
 

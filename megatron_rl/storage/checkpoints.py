@@ -26,6 +26,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,6 +43,7 @@ __all__ = [
     "checkpoint_step",
     "choose_checkpoint",
     "file_digest",
+    "prune_checkpoints",
     "read_latest",
     "verify_checkpoint",
     "write_latest",
@@ -251,3 +253,27 @@ def choose_checkpoint(checkpoint_dir: str | os.PathLike) -> ResumeChoice:
         reasons = "; ".join(str(e) for e in skipped)
         raise CheckpointError(folder, f"holds no intact checkpoint to resume from ({reasons})")
     return ResumeChoice(path=None)
+
+
+def prune_checkpoints(checkpoint_dir: str | os.PathLike, *, keep_last: int, keep_every_steps: int = 0) -> list[Path]:
+    """Delete the ``step_N`` checkpoints of ``checkpoint_dir`` beyond the ``keep_last`` newest,
+    except those whose step is a multiple of ``keep_every_steps`` and the one ``latest``
+    names; ``keep_last`` 0 keeps all. Each is renamed out of the ``step_N`` pattern first,
+    so a crash mid-delete leaves nothing a resume would consider. Returns the deleted paths."""
+    folder = Path(checkpoint_dir)
+    if keep_last <= 0:
+        return []
+    try:
+        latest = read_latest(folder)
+    except CheckpointError:
+        latest = None  # a bad pointer: the resume falls back to the newest intact ones, kept below
+    deleted = []
+    for path in _step_dirs(folder)[keep_last:]:
+        step = checkpoint_step(path)
+        if (keep_every_steps and step % keep_every_steps == 0) or (latest is not None and path.name == latest.name):
+            continue
+        doomed = path.with_name(f".deleting_{path.name}")
+        os.rename(path, doomed)
+        shutil.rmtree(doomed, ignore_errors=True)
+        deleted.append(path)
+    return deleted

@@ -9,7 +9,7 @@ register through :func:`register_task` exactly as a user task does.
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -123,13 +123,14 @@ def registered_tasks() -> list[str]:
     return TASKS.names()
 
 
-def get_task(name: str) -> Task:
-    """Resolve config ``data.task``.
+def get_task(name: str, *, trusted_modules: Sequence[str] = ()) -> Task:
+    """Resolve config ``data.task`` (``trusted_modules``: ``data.reward_modules``).
 
     - a registered task name -> that task;
     - ``package.module:attr`` where ``attr`` is a :class:`Task` -> that task (not registered);
-    - ``package.module:function``, a user reward function -> a plain task named by the spec:
-      that reward, no system prompt, no pre-fill, eval group ``"all"``.
+    - ``package.module:function``, a user reward function (declared with
+      ``@megatron_rl.rewards.reward``, or from a trusted module) -> a plain task named by
+      the spec: that reward, no system prompt, no pre-fill, eval group ``"all"``.
 
     Raises:
         UnknownTaskError: no task is registered under ``name`` (lists the registered ones).
@@ -141,4 +142,4 @@ def get_task(name: str) -> Task:
     obj = import_by_path(name)
     if isinstance(obj, Task):
         return obj
-    return Task(name=name, reward=reward_from_callable(name, obj))
+    return Task(name=name, reward=reward_from_callable(name, obj, trusted_modules=trusted_modules))

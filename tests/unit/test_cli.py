@@ -19,6 +19,7 @@ import yaml
 from megatron_rl import cli
 from megatron_rl.config.lib import to_dict
 from megatron_rl.config.run import load_run_config
+from megatron_rl.rewards import reward
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = str(REPO / "examples" / "tiny_cpu.yaml")
@@ -202,8 +203,14 @@ def test_overrides_may_follow_the_dry_run_flag(tmp_path, capsys):
 # --------------------------------------------------------------------------- task and model checks
 
 
+@reward
 def echo_reward(response, ground_truth):
     """A user reward function for ``data.task=module:function``."""
+    return float(response == ground_truth)
+
+
+def undeclared_reward(response, ground_truth):
+    """A function not declared a reward: usable only from a module the config trusts."""
     return float(response == ground_truth)
 
 
@@ -227,6 +234,17 @@ def test_user_reward_function_is_a_task(tmp_path, capsys):
     assert cli.main(_dry_run_args(tmp_path, f"data.task={__name__}:no_such_fn")) == 2
     err = capsys.readouterr().err
     assert "error: config field 'data.task'" in err and "has no attribute 'no_such_fn'" in err
+    assert cli.main(_dry_run_args(tmp_path, f"data.task={__name__}:undeclared_reward")) == 2
+    assert "is not declared a reward" in capsys.readouterr().err
+    args = _dry_run_args(tmp_path, f"data.task={__name__}:undeclared_reward", f"data.reward_modules=[{__name__}]")
+    assert cli.main(args) == 0
+
+
+def test_cprofile_run_as_the_reward_runs_nothing(tmp_path, capsys):
+    # cProfile.run(response) would execute each response; the dry run refuses it by name.
+    assert cli.main(_dry_run_args(tmp_path, "data.task=cProfile:run")) == 2
+    err = capsys.readouterr().err
+    assert "error: config field 'data.task'" in err and "'run' is not declared a reward" in err
 
 
 def test_unknown_tiny_model_type_lists_registered(tmp_path, capsys):

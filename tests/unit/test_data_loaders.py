@@ -115,6 +115,32 @@ def test_a_utf8_byte_order_mark_is_accepted(tmp_path):
     assert load_rows(path)[0].prompt == "Who?"
 
 
+@pytest.mark.parametrize(
+    "raw, row, field, message",
+    [
+        (b'{"prompt": "Who?", "ground_truth": NaN}', 2, "ground_truth", "ground truth holds NaN or an infinity"),
+        (b'{"prompt": "Who?", "ground_truth": {"a": [1, -Infinity]}}', 2, "ground_truth", "NaN or an infinity"),
+        (b'{"prompt": "Who?\x00", "ground_truth": "A"}', 2, None, "holds a NUL byte at byte 17 of the line"),
+        (b'{"prompt": "Who?\\u0000", "ground_truth": "A"}', 2, "prompt", "prompt holds a NUL character"),
+    ],
+    ids=["nan_truth", "nested_infinity", "nul_byte", "nul_escape"],
+)
+def test_nul_bytes_and_non_finite_ground_truths_are_refused_naming_file_and_row(tmp_path, raw, row, field, message):
+    path = tmp_path / "bad.jsonl"
+    path.write_bytes(json.dumps(GOOD).encode() + b"\n" + raw + b"\n")
+    with pytest.raises(DataError, match=message) as err:
+        load_rows(path)
+    assert (err.value.file, err.value.row, err.value.field) == (str(path), row, field)
+
+
+def test_blank_lines_are_skipped_and_counted_in_the_log(tmp_path, caplog):
+    path = _jsonl(tmp_path / "gaps.jsonl", json.dumps(GOOD), "", "   ", json.dumps({**GOOD, "id": "b"}))
+    with caplog.at_level("INFO", logger="megatron_rl.data.loaders"):
+        rows = load_rows(path)
+    assert [r.row for r in rows] == [1, 4]  # row numbers stay line numbers
+    assert f"{path}: 2 blank line(s) skipped" in caplog.text
+
+
 @pytest.mark.parametrize("content", ["", "\n  \n"], ids=["empty", "blank_lines"])
 def test_a_file_without_rows_is_an_error_naming_it(tmp_path, content):
     good = write_jsonl(tmp_path / "good.jsonl", [GOOD])

@@ -14,15 +14,30 @@ import time
 
 import pytest
 
-from megatron_rl.rewards import AllRewardsFailedError, RewardErrorStreak, RewardPool, RewardResult, score_batch
+from megatron_rl.rewards import (
+    AllRewardsFailedError,
+    RewardErrorStreak,
+    RewardPool,
+    RewardResult,
+    reward,
+    score_batch,
+)
 from megatron_rl.tasks import get_reward
 
 SPEC = f"{__name__}:misbehaving"
 
 
+@reward(failure_score=-1.0)
 def misbehaving(response, ground_truth):
-    """Scores 1.0 for "ok"; otherwise hangs, raises, dies or returns garbage as the response says."""
-    if response == "hang":
+    """Scores 1.0 for "ok"; otherwise hangs, raises, dies, eats memory or returns garbage as the response says."""
+    if response == "hog":  # 2 GiB, written so that it is resident
+        block = bytearray(2 << 30)
+        block[:: 1 << 12] = b"x" * len(block[:: 1 << 12])
+    elif response == "huge":
+        return 1e308
+    elif response == "oom_score_adj":
+        return float(open("/proc/self/oom_score_adj").read())
+    elif response == "hang":
         time.sleep(60)
     elif response == "raise":
         raise RuntimeError("bad answer")
@@ -32,8 +47,6 @@ def misbehaving(response, ground_truth):
         return float("nan")
     return 1.0
 
-
-misbehaving.failure_score = -1.0
 
 
 def test_slow_reward_times_out_and_is_counted():
@@ -59,6 +72,20 @@ def test_every_failure_kind_in_one_pool():
         assert [r.score for r in pool.score(["ok"] * 3, [None] * 3)] == [1.0] * 3
     with pytest.raises(RuntimeError, match="closed"):
         pool.score(["ok"], [None])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_reward_eating_memory_or_returning_an_absurd_score_fails_alone():
+    responses = ["ok", "hog", "huge", "oom_score_adj", "ok"]
+    with RewardPool(get_reward(SPEC), num_workers=1, timeout_s=30.0, memory_mb=512, max_abs_score=1e6) as pool:
+        results = pool.score(responses, [None] * len(responses))
+        worker = pool._workers[0].process.pid
+        assert [r.score for r in results] == [1.0, -1.0, -1.0, 1000.0, 1.0]
+        assert results[1].error.startswith("MemoryError")  # the cap, not the machine, stopped it
+        assert results[2].error == f"ValueError: reward {SPEC!r} returned 1e+308, beyond ±1e+06 (data.max_abs_reward)"
+        # The worker that hit its cap lives on (the reward got an exception); the driver is untouched.
+        assert pool._workers[0].process.pid == worker
+    assert int(open("/proc/self/oom_score_adj").read()) < 1000
 
 
 def test_builtin_rewards_run_in_workers():

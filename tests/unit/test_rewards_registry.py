@@ -17,21 +17,25 @@ from megatron_rl.rewards import (
     get_reward,
     register_reward,
     registered_rewards,
+    reward,
 )
 
 
+@reward
 def two_arg_reward(response, ground_truth):
     return float(response == ground_truth)
 
 
+@reward(failure_score=-2.0, success_score=0.5)
 def prompt_reward(response, ground_truth, *, prompt):
     return float(prompt == "P")
 
 
-def kwargs_reward(response, ground_truth, **context):
+def kwargs_reward(response, ground_truth, **context):  # not declared: loaded from a trusted module
     return float(context.get("prompt") == "P")
 
 
+@reward  # declared, so loading it by path gets as far as its signature (which is wrong)
 def returns(value):
     """A reward returning ``value`` whatever it is given."""
     return lambda response, ground_truth: value
@@ -69,8 +73,26 @@ def test_module_function_loads_and_adapts_to_the_signature():
     fn = get_reward(f"{__name__}:two_arg_reward")
     assert fn.fn is two_arg_reward and not fn.accepts_prompt and fn.failure_score == 0.0
     assert call_reward(fn, "a", "a", prompt="ignored").score == 1.0
-    assert call_reward(get_reward(f"{__name__}:prompt_reward"), "a", "b", prompt="P").score == 1.0
-    assert call_reward(get_reward(f"{__name__}:kwargs_reward"), "a", "b", prompt="P").score == 1.0
+    declared = get_reward(f"{__name__}:prompt_reward")
+    assert call_reward(declared, "a", "b", prompt="P").score == 1.0
+    assert (declared.failure_score, declared.success_score) == (-2.0, 0.5)
+    trusted = get_reward(f"{__name__}:kwargs_reward", trusted_modules=["tests.unit"])
+    assert call_reward(trusted, "a", "b", prompt="P").score == 1.0
+
+
+# Importable callables that would run a response as code; a denylist cannot name them all.
+@pytest.mark.parametrize("spec", ["cProfile:run", "profile:run", "timeit:timeit", "pdb:run", "webbrowser:open",
+                                  f"{__name__}:kwargs_reward"])  # fmt: skip
+def test_a_function_not_declared_a_reward_is_refused(spec):
+    with pytest.raises(RewardLoadError, match="is not declared a reward, so model output is not passed to it"):
+        get_reward(spec)
+
+
+def test_a_trusted_module_does_not_admit_code_running_functions():
+    with pytest.raises(RewardLoadError, match="refused"):
+        get_reward("os:system", trusted_modules=["os"])
+    with pytest.raises(RewardLoadError, match="refused"):
+        get_reward(f"{__name__}:EVAL_ALIAS", trusted_modules=[__name__])
 
 
 EVAL_ALIAS = eval  # a builtin re-exported under another module's name is refused too

@@ -13,7 +13,7 @@ import pytest
 from megatron_rl.config.lib import UnknownNameError
 from megatron_rl.data.loaders import PromptRow
 from megatron_rl.data.prompts import PLAIN_STYLE, PromptStyle
-from megatron_rl.rewards import REWARDS, RewardLoadError, registered_rewards
+from megatron_rl.rewards import REWARDS, RewardLoadError, registered_rewards, reward
 from megatron_rl.tasks import (
     TASKS,
     Task,
@@ -30,11 +30,9 @@ PACKAGE = Path(__file__).resolve().parents[2] / "megatron_rl"
 BUILTINS = ("kk_logic", "math", "toy_copy")
 
 
+@reward(failure_score=-1.0)
 def two_arg_reward(response, ground_truth):
     return float(response == ground_truth)
-
-
-two_arg_reward.failure_score = -1.0
 
 USER_TASK = Task(
     name="user_echo",
