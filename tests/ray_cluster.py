@@ -33,8 +33,10 @@ def shared_ray(tier: str) -> None:
     if ray.is_initialized() and _CURRENT != [tier]:
         release_ray()
     if not ray.is_initialized():
-        ray.init(num_cpus=_NUM_CPUS.get(tier, 4), num_gpus=_NUM_GPUS.get(tier, 0), include_dashboard=False, configure_logging=False,
-                 log_to_driver=False)  # fmt: skip
+        # address="local": a cluster of its own, never one a `ray start` on this machine left named in
+        # /tmp/ray/ray_current_cluster (what ray.init() without an address would join).
+        ray.init(address="local", num_cpus=_NUM_CPUS.get(tier, 4), num_gpus=_NUM_GPUS.get(tier, 0),
+                 include_dashboard=False, configure_logging=False, log_to_driver=False)  # fmt: skip
         _CURRENT[:] = [tier]
 
 

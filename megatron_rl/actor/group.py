@@ -7,13 +7,17 @@ rank (the actor's methods are collective), returning rank 0's result.
 The group also keeps the run's non-finite rule: a step whose updates were skipped for a
 non-finite loss or gradient norm is counted, and ``trainer.max_consecutive_nonfinite_steps``
 of them in a row raise :class:`NonFiniteStepsError` (the counter is saved with the
-driver's state in every checkpoint).
+driver's state in every checkpoint). Every wait on the ranks is bounded by
+``actor.call_timeout_s``: a rank that hangs raises :class:`ActorCallTimeoutError` naming
+the ranks and the call, instead of hanging the run without a word; a rank that failed
+meanwhile raises its own error first.
 """
 
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -25,15 +29,38 @@ from megatron_rl.actor.batch import ActorBatch
 from megatron_rl.actor.spec import ActorSpec
 from megatron_rl.actor.worker import ActorWorker
 from megatron_rl.cluster.placement import GroupPlacement
+from megatron_rl.cluster.planner import Architecture, stage_parameters
 from megatron_rl.weight_sync.meta import TensorMeta
 
-__all__ = ["ActorGroup", "NonFiniteStepsError"]
+__all__ = ["ActorCallTimeoutError", "ActorGroup", "NonFiniteStepsError", "default_call_timeout_s"]
 
 logger = logging.getLogger(__name__)
+
+MIN_CALL_TIMEOUT_S = 1800.0
+"""The default call time-out's floor: the longest update or sync a run should need."""
+
+CHECKPOINT_BYTES_PER_PARAMETER = 16
+"""Bytes a rank writes per parameter it holds (float32 weights and main copy, Adam's two moments)."""
+
+SLOW_WRITE_BYTES_PER_S = 50 << 20
+"""A slow shared file system, per rank: what the default call time-out allows a checkpoint."""
 
 
 class NonFiniteStepsError(RuntimeError):
     """Too many consecutive steps had a non-finite loss or gradient norm."""
+
+
+class ActorCallTimeoutError(RuntimeError):
+    """Actor ranks did not finish a call within ``actor.call_timeout_s``."""
+
+
+def default_call_timeout_s(hf_config: dict[str, Any], *, tp: int, pp: int) -> float:
+    """``actor.call_timeout_s`` when it is null: :data:`MIN_CALL_TIMEOUT_S` plus the largest
+    rank's share of a checkpoint of the ``hf_config`` model at TP ``tp`` x PP ``pp``,
+    written at :data:`SLOW_WRITE_BYTES_PER_S`."""
+    arch = Architecture.from_hf_config(hf_config)
+    params = max(stage_parameters(arch, tp=tp, pp=pp, stage=stage) for stage in range(pp))
+    return MIN_CALL_TIMEOUT_S + params * CHECKPOINT_BYTES_PER_PARAMETER / SLOW_WRITE_BYTES_PER_S
 
 
 class ActorGroup:
@@ -56,6 +83,11 @@ class ActorGroup:
         if len(placement) != num_ranks:
             raise ValueError(f"placement has {len(placement)} members for {num_ranks} actor ranks")
         self.spec = spec
+        self.call_timeout_s = spec.actor.call_timeout_s or default_call_timeout_s(
+            spec.architecture, tp=spec.parallel.tensor_model_parallel_size, pp=spec.parallel.pipeline_model_parallel_size
+        )
+        self.timed_out: str | None = None
+        """Why a call timed out, once one did (the group is then unusable; only :meth:`shutdown` runs)."""
         self.consecutive_nonfinite = 0
         """RL steps in a row whose updates were skipped (see :meth:`update_policy`)."""
         self.workers = [
@@ -75,11 +107,29 @@ class ActorGroup:
         """Wait until every rank has built its model; raises the first rank's failure."""
         pending, self._setup = self._setup, None
         if pending:
-            ray.get(pending)
+            self._get(pending, "setup")
+
+    def _get(self, pending: list[Any], call: str) -> list[Any]:
+        """``ray.get(pending)`` (one call's result per rank, in rank order), bounded by
+        ``actor.call_timeout_s``: a rank's failure raises as soon as it arrives; ranks that
+        have not answered by then raise :class:`ActorCallTimeoutError` naming them and ``call``."""
+        if self.timed_out is not None:  # a hung rank blocks every later call: do not wait again
+            raise ActorCallTimeoutError(f"{call}() not run: {self.timed_out}")
+        waiting, deadline = list(pending), time.monotonic() + self.call_timeout_s
+        while waiting:
+            ready, waiting = ray.wait(waiting, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                ranks = [pending.index(ref) for ref in waiting]
+                self.timed_out = (f"actor rank(s) {ranks} did not finish {call}() within {self.call_timeout_s:g} s "
+                                  "(actor.call_timeout_s): hung (a stopped process, a deadlocked collective, a "
+                                  "stalled file system?)")  # fmt: skip
+                raise ActorCallTimeoutError(self.timed_out + "; rerun the same command to resume from the last checkpoint")
+            ray.get(ready)  # a rank's failure: raised now, not after the others' time-out
+        return ray.get(pending)
 
     def _all(self, method: str, *args, **kwargs) -> Any:
         """Run ``method`` on every rank (collective); rank 0's result."""
-        return ray.get(self._submit(method, *args, **kwargs))[0]
+        return self._get(self._submit(method, *args, **kwargs), method)[0]
 
     def _submit(self, method: str, *args, **kwargs) -> list[Any]:
         """Queue ``method`` on every rank (each runs its calls in submission order); the
@@ -111,7 +161,7 @@ class ActorGroup:
 
     def finish_update(self, pending: list[Any]) -> dict[str, float]:
         """Wait for a :meth:`submit_update`; its metrics (see :meth:`update_policy`)."""
-        metrics = ray.get(pending)[0]
+        metrics = self._get(pending, "update_policy")[0]
         limit = self.spec.trainer.max_consecutive_nonfinite_steps
         self.consecutive_nonfinite = self.consecutive_nonfinite + 1 if metrics["actor/step_skipped"] else 0
         if self.consecutive_nonfinite >= limit:
@@ -132,7 +182,7 @@ class ActorGroup:
     def transitions(self) -> list[tuple[float, str]]:
         """Rank 0's recent (wall time, event) pairs: logprobs, train, offload, onload, sync."""
         self.wait_ready()
-        return ray.get(self.workers[0].get_transitions.remote())
+        return self._get([self.workers[0].get_transitions.remote()], "get_transitions")[0]
 
     def state_dict(self) -> dict[str, int]:
         """The group's driver-side state, saved with the trainer's in each checkpoint."""
@@ -156,7 +206,7 @@ class ActorGroup:
         """Every HF-named tensor a sync sends, in order, in ``dtype`` (``fp8``: projection
         weights as FP8 plus their block scales)."""
         self.wait_ready()
-        return ray.get(self.workers[0].weight_metadata.remote(dtype, fp8))
+        return self._get([self.workers[0].weight_metadata.remote(dtype, fp8)], "weight_metadata")[0]
 
     def weight_buckets(
         self, bucket_bytes: int, *, dtype: str = "float32", max_buffered: int = 2, fp8: bool = False
@@ -181,7 +231,7 @@ class ActorGroup:
 
     def sender_address(self) -> tuple[str, int]:
         """Rank 0's IP and a free port there: where a transfer group's rendezvous is hosted."""
-        return ray.get(self.workers[0].address.remote())
+        return self._get([self.workers[0].address.remote()], "address")[0]
 
     def open_weight_sender(
         self, backend: str, client: Any, init: dict[str, Any], *, dtype: str, bucket_bytes: int, fp8: bool = False
@@ -200,7 +250,7 @@ class ActorGroup:
 
     def finish_send_weights(self, pending: list[Any]) -> Any:
         """Wait for a :meth:`submit_send_weights`; rank 0's result."""
-        return ray.get(pending)[0]
+        return self._get(pending, "send_weights")[0]
 
     def close_weight_sender(self) -> None:
         self._all("close_weight_sender")
@@ -208,7 +258,7 @@ class ActorGroup:
     def node_ids(self) -> list[str]:
         """The Ray node id of every rank, in rank order."""
         self.wait_ready()
-        return ray.get([w.node_id.remote() for w in self.workers])
+        return self._get([w.node_id.remote() for w in self.workers], "node_id")
 
     def shutdown(self) -> None:
         for w in self.workers:

@@ -9,6 +9,7 @@ from typing import Literal
 
 from megatron_rl.config.lib import (
     MAX_SEED,
+    MAX_TIMEOUT_S,
     ConfigError,
     check_literals,
     require_range,
@@ -259,8 +260,17 @@ class ActorConfig:
     ``mxfp8``, 16 otherwise; 16 with Transformer Engine; the TP size with sequence
     parallelism), else 1. With FP8 a value must be a multiple of the recipe's alignment."""
 
+    call_timeout_s: float | None = None
+    """Longest any call on the actor ranks may take (an update, a log-prob pass, a sync,
+    a checkpoint) before the run stops with an error naming the ranks and the call: a rank
+    that hangs (stopped, a deadlocked collective, a stalled file system) must not hang the
+    run silently. null: 1800 s plus the time to write the largest rank's share of a
+    checkpoint (16 bytes per parameter) at 50 MiB/s (``actor.group.default_call_timeout_s``);
+    at most a day."""
+
     def __post_init__(self) -> None:
         check_literals(self)
+        require_range("call_timeout_s", self.call_timeout_s, gt=0.0, le=MAX_TIMEOUT_S)
         if not self.use_distributed_optimizer and self.checkpoint_optimizer_sharding == "fully_reshardable":
             raise ConfigError(
                 "use_distributed_optimizer",

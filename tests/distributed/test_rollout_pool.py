@@ -168,6 +168,18 @@ def test_sleep_and_wake(pool):
     assert len(pool.generate(PROMPTS, PARAMS)) == len(PROMPTS)
 
 
+def test_an_engine_that_dies_during_sleep_is_restarted_asleep_with_current_weights(pool, ckpts):
+    before = {h["engine"]: h["pid"] for h in pool.health()}
+    ckpts[2].write_text("sleep:exit")  # the first engine to go to sleep exits instead
+    pool.sleep()
+    assert not ckpts[2].exists()
+    health = pool.health()
+    assert all(h["ok"] and h["sleeping"] and h["weight_version"] == pool.weight_version == 1 for h in health), health
+    assert sum(h["pid"] != before[h["engine"]] for h in health) == 1
+    pool.wake()
+    assert _ids(pool.generate(PROMPTS, PARAMS)) == _ids(HFEngine(ckpts[1]).generate(PROMPTS, PARAMS))
+
+
 def test_request_failing_twice_names_engine_and_request(ray_cluster, ckpts):
     config = RolloutConfig(engine="tests.helpers.rollout_engines:AlwaysCrashEngine", pool=PoolConfig(max_restarts=1))
     broken = RolloutPool(config, str(ckpts[0]), name_prefix="broken")

@@ -12,7 +12,9 @@ tiny CPU demo with ``trainer.save_every_steps: 0`` (no checkpoint unless the sto
   stays the latest) and the rerun still logs every step once;
 * an actor rank killed mid-run (the OOM killer, a lost node) ends the run with one
   ``error:`` line and exit 1: the clean-up that follows (closing the dead rank's weight
-  sender) logs its own failure to ``RUN_DIR/logs/driver.log`` instead of the screen.
+  sender) logs its own failure to ``RUN_DIR/logs/driver.log`` instead of the screen;
+* an actor rank that hangs (SIGSTOP) ends the run after ``actor.call_timeout_s`` with one
+  ``error:`` line naming the rank and the call, and no process left.
 """
 
 from __future__ import annotations
@@ -167,3 +169,27 @@ def test_a_dead_actor_rank_is_one_error_line_and_its_clean_up_goes_to_the_log(tm
     assert not _alive(tree), _alive(tree)
     log = (run_dir / "logs" / "driver.log").read_text()
     assert "Traceback" in log and "clean-up failed" in log  # the details are kept, off the screen
+
+
+def test_a_hung_actor_rank_ends_the_run_after_the_call_timeout_naming_it(tmp_path):
+    run_dir = tmp_path / "tiny_cpu"
+    run = _cli(tmp_path, "trainer.num_steps=40", "actor.call_timeout_s=45")
+    _wait_for_steps(run, run_dir, 2)
+    tree = descendants({run.pid})
+    actor = next(pid for pid in tree if _cmdline(pid).startswith("ray::ActorWorker"))
+    os.kill(actor, signal.SIGSTOP)  # alive, silent: no error ever comes back from it
+    stopped = time.monotonic()
+    try:
+        out, _ = run.communicate(timeout=300)
+    finally:
+        if process_start_time(actor) == tree[actor]:  # not reaped: let it go (it is killed below)
+            os.kill(actor, signal.SIGCONT)
+    assert run.returncode == 1, out
+    errors = [line for line in out.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, out
+    assert "actor rank(s) [0] did not finish" in errors[0] and "within 45 s (actor.call_timeout_s)" in errors[0]
+    assert "Traceback" not in out and time.monotonic() - stopped < 150, out
+    ended = time.monotonic()
+    while _alive(tree) and time.monotonic() - ended < 15:
+        time.sleep(0.2)
+    assert not _alive(tree), _alive(tree)

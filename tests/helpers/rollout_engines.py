@@ -16,28 +16,44 @@ from megatron_rl.rollout.engines.vllm import VLLMEngine  # imports vllm only whe
 
 
 class FaultOnce:
-    """Fails once, on the first ``generate`` after ``arm_file`` appears: a crash or a hang.
+    """Fails once, on the first call the armed ``arm_file`` names: a crash or a hang.
 
     The file's content picks the fault: ``exit`` ends the process (``os._exit``), ``hang``
-    blocks forever (a stuck kernel, as far as the pool can tell). Every engine of a pool
-    shares the file, so exactly one engine fails per arming: the one that renames it first
-    (``os.rename`` is atomic). Ray then restarts the actor, whose constructor finds no
-    ``arm_file`` and serves normally. Mixed into a real engine class (below).
+    blocks forever (a stuck kernel, as far as the pool can tell), in the next ``generate``;
+    ``sleep:exit`` and ``sleep:hang`` do the same in the next ``sleep``. Every engine of
+    a pool shares the file, so exactly one engine fails per arming: the one that renames
+    it first (``os.rename`` is atomic). Ray then restarts the actor, whose constructor
+    finds no ``arm_file`` and serves normally. Mixed into a real engine class (below).
     """
 
     def __init__(self, model_path: str, *, name: str = "fault-once", arm_file: str, **engine_args: Any):
         super().__init__(model_path, name=name, **engine_args)
         self.arm_file = Path(arm_file)
 
-    def generate(self, prompts, params, *, prompt_seeds=None):
+    def _fire(self, call: str) -> None:
+        try:
+            fault = self.arm_file.read_text().strip()
+        except FileNotFoundError:
+            return
+        target, _, kind = fault.rpartition(":")
+        if (target or "generate") != call:
+            return
         fired = Path(f"{self.arm_file}.fired-by-{self.name}")
         try:
             os.rename(self.arm_file, fired)
         except FileNotFoundError:
-            return super().generate(prompts, params, prompt_seeds=prompt_seeds)
-        if fired.read_text().strip() == "hang":
+            return
+        if kind == "hang":
             time.sleep(3600)
         os._exit(1)
+
+    def generate(self, prompts, params, *, prompt_seeds=None):
+        self._fire("generate")
+        return super().generate(prompts, params, prompt_seeds=prompt_seeds)
+
+    def sleep(self) -> None:
+        self._fire("sleep")
+        return super().sleep()
 
 
 class FaultOnceEngine(FaultOnce, HFEngine):

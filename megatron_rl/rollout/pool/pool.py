@@ -493,27 +493,41 @@ class RolloutPool:
 
     # ------------------------------------------------------------------ lifecycle
 
-    def _call_all(self, method: str) -> list[Any]:
+    def _call_all(self, method: str, *, sleeping: bool) -> None:
+        """``method`` on every live engine, which then are ``sleeping`` (or not). An engine
+        that dies during it is brought back as during generation (restarted by Ray, its
+        weights restored, put to sleep if the pool sleeps: :meth:`_recover`); one that does
+        not answer within ``pool.restart_timeout_s`` is killed and restarted the same way.
+        Out of restarts, it is given up; an engine that raises is a :class:`RolloutEngineError`."""
         import ray
 
         refs = {i: getattr(self.actors[i], method).remote() for i in self.live_engines}
-        out = []
+        died, hung = [], []
         for i, ref in refs.items():
             try:
-                out.append(ray.get(ref, timeout=self.config.pool.restart_timeout_s))
+                ray.get(ref, timeout=self.config.pool.restart_timeout_s)
+            except ray.exceptions.RayActorError:
+                died.append(i)
+            except ray.exceptions.GetTimeoutError:
+                hung.append(i)
             except Exception as exc:
                 raise RolloutEngineError(f"{self.engine_names[i]}.{method}() failed: {exc}") from exc
-        return out
+        self._sleeping = sleeping  # what the engines brought back below must match
+        for i in died + hung:
+            logger.warning("%s %s during %s(); restarting it", self.engine_names[i],
+                           "died" if i in died else "did not answer", method)  # fmt: skip
+        if died:
+            self._recover_all(died)
+        if hung:
+            self.restart(hung)
 
     def sleep(self) -> None:
         """Release every engine's accelerator memory (colocated placement)."""
-        self._call_all("sleep")
-        self._sleeping = True
+        self._call_all("sleep", sleeping=True)
 
     def wake(self) -> None:
         """Restore every engine's accelerator memory."""
-        self._call_all("wake")
-        self._sleeping = False
+        self._call_all("wake", sleeping=False)
 
     def health(self) -> list[dict[str, Any]]:
         """One report per engine; a dead or unresponsive engine reports ``ok: False``."""
