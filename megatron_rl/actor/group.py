@@ -86,8 +86,9 @@ class ActorGroup:
         self.call_timeout_s = spec.actor.call_timeout_s or default_call_timeout_s(
             spec.architecture, tp=spec.parallel.tensor_model_parallel_size, pp=spec.parallel.pipeline_model_parallel_size
         )
-        self.timed_out: str | None = None
-        """Why a call timed out, once one did (the group is then unusable; only :meth:`shutdown` runs)."""
+        self.broken: str | None = None
+        """Why the group cannot run calls any more (a call timed out, or a rank failed while
+        the others waited for it in a collective); only :meth:`shutdown` runs then."""
         self.consecutive_nonfinite = 0
         """RL steps in a row whose updates were skipped (see :meth:`update_policy`)."""
         self.workers = [
@@ -113,18 +114,23 @@ class ActorGroup:
         """``ray.get(pending)`` (one call's result per rank, in rank order), bounded by
         ``actor.call_timeout_s``: a rank's failure raises as soon as it arrives; ranks that
         have not answered by then raise :class:`ActorCallTimeoutError` naming them and ``call``."""
-        if self.timed_out is not None:  # a hung rank blocks every later call: do not wait again
-            raise ActorCallTimeoutError(f"{call}() not run: {self.timed_out}")
+        if self.broken is not None:  # a hung or failed rank blocks every later call: do not wait again
+            raise ActorCallTimeoutError(f"{call}() not run: {self.broken}")
         waiting, deadline = list(pending), time.monotonic() + self.call_timeout_s
         while waiting:
             ready, waiting = ray.wait(waiting, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
             if not ready:
                 ranks = [pending.index(ref) for ref in waiting]
-                self.timed_out = (f"actor rank(s) {ranks} did not finish {call}() within {self.call_timeout_s:g} s "
+                self.broken = (f"actor rank(s) {ranks} did not finish {call}() within {self.call_timeout_s:g} s "
                                   "(actor.call_timeout_s): hung (a stopped process, a deadlocked collective, a "
                                   "stalled file system?)")  # fmt: skip
-                raise ActorCallTimeoutError(self.timed_out + "; rerun the same command to resume from the last checkpoint")
-            ray.get(ready)  # a rank's failure: raised now, not after the others' time-out
+                raise ActorCallTimeoutError(self.broken + "; rerun the same command to resume from the last checkpoint")
+            try:
+                ray.get(ready)  # a rank's failure: raised now, not after the others' time-out
+            except Exception:
+                if waiting:  # the others wait for it in a collective: no later call can run
+                    self.broken = f"actor rank {pending.index(ready[0])} failed in {call}() while the others waited"
+                raise
         return ray.get(pending)
 
     def _all(self, method: str, *args, **kwargs) -> Any:

@@ -160,8 +160,7 @@ def _train(config, checked) -> int:
         return EXIT_USAGE
     except Exception as e:  # noqa: BLE001  (one line here, the traceback in the log)
         log.error("the run failed to start", exc_info=True, extra=FILE_ONLY)
-        print(f"error: the run failed to start: {type(e).__name__}: {_first_line(e)} (traceback in {log_file})",
-              file=sys.stderr)  # fmt: skip
+        print(f"error: the run failed to start: {_describe(e)} (traceback in {log_file})", file=sys.stderr)
         return EXIT_FAILURE
     stop.install()  # again: ray.init put its own SIGTERM handler (sys.exit) in place
     trainer.stop = stop
@@ -187,8 +186,8 @@ def _train(config, checked) -> int:
         code = EXIT_FAILURE
     except Exception as e:  # noqa: BLE001  (any other failure: one line here, the traceback in the log)
         log.error("the run failed at step %d", trainer.step, exc_info=True, extra=FILE_ONLY)
-        print(f"error: step {trainer.step}: {type(e).__name__}: {_first_line(e)} (traceback in {log_file}); rerun the "
-              "same command to resume from the last checkpoint", file=sys.stderr)  # fmt: skip
+        print(f"error: step {trainer.step}: {_describe(e)} (traceback in {log_file}); rerun the same command to "
+              "resume from the last checkpoint", file=sys.stderr)  # fmt: skip
         code = EXIT_FAILURE
     code = _close(trainer, code, log, log_file)
     if code != EXIT_OK:
@@ -203,8 +202,18 @@ def _train(config, checked) -> int:
     return EXIT_OK
 
 
-def _first_line(e: BaseException) -> str:
-    return (str(e).strip().splitlines() or [""])[0][:300]
+def _describe(e: BaseException) -> str:
+    """One line for a failure: its type and first line; a full disk named as such. An error
+    raised in a Ray actor arrives wrapped: its ``cause`` is the error."""
+    from megatron_rl.storage.durable import DiskFullError, disk_full
+
+    cause = getattr(e, "cause", None) or e
+    first = (str(cause).strip().splitlines() or [""])[0][:300]
+    if isinstance(cause, DiskFullError):
+        return first
+    if disk_full(e):
+        return f"the disk is full ({type(cause).__name__}: {first})"
+    return f"{type(cause).__name__}: {first}"
 
 
 def _close(trainer, code: int, log, log_file) -> int:

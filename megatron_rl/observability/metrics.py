@@ -4,14 +4,16 @@ Weights & Biases (offline unless configured), written by rank 0 only.
 Keys are namespaced by what they measure: ``rollout/reward/mean``, ``loss/clip_frac/high``,
 ``timing_s/generate``, ``tokens/quartile_q1/grad_share``. Each JSONL line is one step:
 ``{"step": 12, "time": 1732150000.0, "rollout/reward/mean": 0.4, ...}``. Lines are
-flushed and fsync'ed as they are written, so a crash loses at most the line being
-written; when a run starts, lines of steps after the checkpoint it resumes from (every
+written and fsync'ed one at a time, so a crash loses at most the line being written (a
+full disk loses none: the part written is cut off again, and :class:`DiskFullError`
+names the file); when a run starts, lines of steps after the checkpoint it resumes from (every
 line, on a fresh start) are dropped (``truncate_after``): they were written by a run that
 died before its next checkpoint and are about to be replayed, so each step is logged once.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -19,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from megatron_rl.storage.durable import fsync_dir
+from megatron_rl.storage.durable import DiskFullError, disk_full, fsync_dir
 
 
 class MetricsSink:
@@ -44,7 +46,9 @@ class MetricsSink:
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / "metrics.jsonl"
-        self._file = open(self.path, "a", encoding="utf-8")
+        # A raw descriptor, not a buffered file: a failed write (a full disk) leaves no bytes
+        # in a buffer that a later flush or close would try again.
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         self._wandb = None
         if wandb_mode != "disabled":
             # wandb prints a banner and a run summary by default; the progress line and
@@ -65,10 +69,18 @@ class MetricsSink:
     def log(self, step: int, metrics: dict[str, float]) -> None:
         """Record ``metrics`` for ``step`` (non-finite values are written as null)."""
         clean = {k: (float(v) if _finite(v) else None) for k, v in metrics.items()}
-        line = json.dumps({"step": int(step), "time": time.time(), **clean}, sort_keys=False)
-        self._file.write(line + "\n")
-        self._file.flush()
-        os.fsync(self._file.fileno())
+        data = (json.dumps({"step": int(step), "time": time.time(), **clean}, sort_keys=False) + "\n").encode()
+        size = os.fstat(self._fd).st_size
+        try:
+            while data:
+                data = data[os.write(self._fd, data):]
+            os.fsync(self._fd)
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                os.ftruncate(self._fd, size)  # no torn line left behind
+            if disk_full(e):
+                raise DiskFullError(self.path, f"the metrics of step {step}") from e
+            raise
         if self._wandb is not None:
             self._wandb.log({k: v for k, v in clean.items() if v is not None}, step=int(step))
 
@@ -76,7 +88,7 @@ class MetricsSink:
         """Drop lines of steps > ``step`` (and lines without a step): called as a run starts from
         the checkpoint of ``step``, or from scratch with ``step=0``. Atomic (a temporary file
         replaces the old one)."""
-        self._file.close()
+        os.close(self._fd)
         kept = [r for r in read_metrics(self.path) if isinstance(r.get("step"), int) and r["step"] <= step]
         tmp = self.path.with_suffix(".jsonl.tmp")
         with open(tmp, "w", encoding="utf-8") as f:
@@ -86,10 +98,12 @@ class MetricsSink:
             os.fsync(f.fileno())
         os.replace(tmp, self.path)
         fsync_dir(self.path.parent)
-        self._file = open(self.path, "a", encoding="utf-8")
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
 
     def close(self) -> None:
-        self._file.close()
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
         if self._wandb is not None:
             self._wandb.finish()
             self._wandb = None

@@ -42,6 +42,14 @@ class _ScreenFilter(logging.Filter):
         return record.name.split(".")[0] == "megatron_rl" or record.levelno >= logging.ERROR
 
 
+class _QuietFileHandler(logging.FileHandler):
+    """A log file whose write failures (a full disk) drop the record instead of printing
+    logging's own traceback on the screen, where the run's ``error:`` line already is."""
+
+    def handleError(self, record: logging.LogRecord) -> None:  # noqa: N802  (logging's name)
+        pass
+
+
 _PACKAGE_DIR = str(Path(__file__).resolve().parents[1]) + os.sep  # .../megatron_rl/
 
 
@@ -70,7 +78,7 @@ def setup_process_logging(log_file: Path, *, console_level: int = logging.WARNIN
     for handler in [h for h in root.handlers if getattr(h, "_megatron_rl", False)]:
         root.removeHandler(handler)
         handler.close()
-    file_handler = logging.FileHandler(log_file, encoding="utf-8")
+    file_handler = _QuietFileHandler(log_file, encoding="utf-8")
     file_handler.setLevel(logging.INFO)
     file_handler.setFormatter(logging.Formatter(_FORMAT))
     screen = logging.StreamHandler(sys.stderr)

@@ -6,10 +6,43 @@ in the page cache, nor a metrics file replaced by an empty one. Standard library
 
 from __future__ import annotations
 
+import errno
 import os
 from pathlib import Path
 
-__all__ = ["fsync_dir", "fsync_file", "write_text_durable"]
+__all__ = ["DiskFullError", "disk_full", "fsync_dir", "fsync_file", "write_text_durable"]
+
+DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+"""No space left on the device, disk quota exceeded."""
+
+
+class DiskFullError(OSError):
+    """A write failed because the file system of ``path`` is full (or over quota); the
+    message names the path and what was being written."""
+
+    def __init__(self, path: str | os.PathLike, what: str):
+        super().__init__(errno.ENOSPC, f"no space left on the device of {path} while writing {what}; free space (or "
+                         "point trainer.output_dir elsewhere), then rerun the same command to resume from the last "
+                         "checkpoint", str(path))  # fmt: skip
+        self.what = what
+
+    def __reduce__(self):  # OSError pickles as OSError(errno, strerror, filename): not this signature
+        return type(self), (self.filename, self.what)
+
+    def __str__(self) -> str:
+        return self.strerror
+
+
+def disk_full(exc: BaseException | None) -> bool:
+    """Whether ``exc`` or an exception it was raised from (``__cause__``/``__context__``,
+    Ray's ``cause``) is a full disk or quota."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and exc.errno in DISK_FULL_ERRNOS:
+            return True
+        exc = getattr(exc, "cause", None) or exc.__cause__ or exc.__context__
+    return False
 
 
 def fsync_file(path: str | os.PathLike) -> None:

@@ -14,7 +14,10 @@ tiny CPU demo with ``trainer.save_every_steps: 0`` (no checkpoint unless the sto
   ``error:`` line and exit 1: the clean-up that follows (closing the dead rank's weight
   sender) logs its own failure to ``RUN_DIR/logs/driver.log`` instead of the screen;
 * an actor rank that hangs (SIGSTOP) ends the run after ``actor.call_timeout_s`` with one
-  ``error:`` line naming the rank and the call, and no process left.
+  ``error:`` line naming the rank and the call, and no process left;
+* a run directory on a 1 MiB tmpfs, too small for a checkpoint: the run stops at the
+  first save with one line saying the disk is full and where, the partial checkpoint
+  removed (root only: skipped where a tmpfs cannot be mounted).
 """
 
 from __future__ import annotations
@@ -193,3 +196,25 @@ def test_a_hung_actor_rank_ends_the_run_after_the_call_timeout_naming_it(tmp_pat
     while _alive(tree) and time.monotonic() - ended < 15:
         time.sleep(0.2)
     assert not _alive(tree), _alive(tree)
+
+
+def test_a_checkpoint_that_fills_the_disk_is_named_as_such(tmp_path):
+    mount = tmp_path / "small"
+    mount.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1M", "tmpfs", str(mount)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {mounted.stderr.decode().strip()}")
+    try:
+        run = _cli(mount, "trainer.num_steps=4", "trainer.save_every_steps=2")  # a checkpoint is ~1.5 MiB
+        out, _ = run.communicate(timeout=600)
+        checkpoints = mount / "tiny_cpu" / "checkpoints"
+        assert run.returncode == 1, out
+        errors = [line for line in out.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1, out
+        assert f"error: step 2: no space left on the device of {checkpoints} while writing the checkpoint " \
+               "step_000002" in errors[0], out  # fmt: skip
+        assert "Traceback" not in out, out
+        assert not any(checkpoints.glob(".step_*")) and not any(checkpoints.glob("step_*"))
+        assert _steps(mount / "tiny_cpu") == [1, 2]  # the metrics of the steps that ran are whole
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=True)

@@ -89,7 +89,7 @@ from megatron_rl.storage.checkpoints import (
     write_latest,
     write_manifest,
 )
-from megatron_rl.storage.durable import fsync_dir, fsync_file
+from megatron_rl.storage.durable import DiskFullError, disk_full, fsync_dir, fsync_file
 
 __all__ = [
     "OPTIMIZER_SHARDING",
@@ -194,9 +194,10 @@ def save_checkpoint(
     Collective over the whole world (barriers, dist_checkpointing). ``actor_state`` is
     written to ``actor_state.json`` by global rank 0 (JSON-serialisable values). Returns
     the final directory. Raises :class:`NonFiniteWeightsError` (on every rank, nothing
-    written) when the parameters fail :func:`check_finite_parameters`.
+    written) when the parameters fail :func:`check_finite_parameters`, and
+    :class:`~megatron_rl.storage.durable.DiskFullError` (the partial directory removed)
+    when the file system fills up.
     """
-    from megatron.core import dist_checkpointing
 
     if optimizer_sharding not in ("dp_reshardable", "fully_reshardable"):
         raise ValueError(
@@ -209,6 +210,36 @@ def save_checkpoint(
     check_finite_parameters(model)
     final = Path(directory).absolute()
     tmp = final.parent / f".{final.name}.tmp"
+    try:
+        return _write(final, tmp, model=model, optimizer=optimizer, groups=groups, actor_state=actor_state,
+                      hf_config=hf_config, hf_source_dir=hf_source_dir, optimizer_sharding=optimizer_sharding,
+                      recorded=recorded)  # fmt: skip
+    except BaseException as e:  # torch's CheckpointException is a BaseException
+        # A full file system rarely says so: torch's writer reports a short write as
+        # "unexpected pos ..."; so the free space decides too. The partial directory goes.
+        if isinstance(e, (KeyboardInterrupt, SystemExit)) or not (disk_full(e) or _nearly_full(final.parent)):
+            raise
+        if dist.get_rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise DiskFullError(final.parent, f"the checkpoint {final.name}") from e
+
+
+_NEARLY_FULL_BYTES = 1 << 20
+"""Free bytes below which a failed checkpoint write is taken for a full file system."""
+
+
+def _nearly_full(path: Path) -> bool:
+    try:
+        return shutil.disk_usage(path).free < _NEARLY_FULL_BYTES
+    except OSError:
+        return False
+
+
+def _write(final: Path, tmp: Path, *, model, optimizer, groups, actor_state, hf_config, hf_source_dir,
+           optimizer_sharding, recorded) -> Path:  # fmt: skip
+    """The collective write of :func:`save_checkpoint` (``tmp``, then renamed to ``final``)."""
+    from megatron.core import dist_checkpointing
+
     rank = dist.get_rank()
     if rank == 0:
         final.parent.mkdir(parents=True, exist_ok=True)
