@@ -46,6 +46,10 @@ SLOW_WRITE_BYTES_PER_S = 50 << 20
 """A slow shared file system, per rank: what the default call time-out allows a checkpoint."""
 
 
+FAILED_RANK_GRACE_S = 30.0
+"""How long the other ranks may take to finish (or fail) a call after one rank failed in it."""
+
+
 class NonFiniteStepsError(RuntimeError):
     """Too many consecutive steps had a non-finite loss or gradient norm."""
 
@@ -128,7 +132,9 @@ class ActorGroup:
             try:
                 ray.get(ready)  # a rank's failure: raised now, not after the others' time-out
             except Exception:
-                if waiting:  # the others wait for it in a collective: no later call can run
+                # Ranks still in the call after a grace period wait for the failed one in a
+                # collective: no later call could run, so none is tried (the clean-up included).
+                if waiting and ray.wait(waiting, num_returns=len(waiting), timeout=FAILED_RANK_GRACE_S)[1]:
                     self.broken = f"actor rank {pending.index(ready[0])} failed in {call}() while the others waited"
                 raise
         return ray.get(pending)
