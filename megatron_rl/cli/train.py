@@ -130,7 +130,7 @@ _BAD_INPUT = (ConfigError, ValueError, FileExistsError, FileNotFoundError)
 def _train(config, checked) -> int:
     import logging
 
-    from megatron_rl.loop.stop import StopSignals
+    from megatron_rl.loop.stop import RunStopped, StopSignals
     from megatron_rl.observability.run_log import FILE_ONLY, setup_process_logging
 
     # First: the imports below warn (megatron-core without Apex/TE); the notices go to the file.
@@ -146,7 +146,6 @@ def _train(config, checked) -> int:
     from megatron_rl.cli import reaper
     from megatron_rl.loop.builder import RayClusterError
     from megatron_rl.loop.pipeline import make_trainer
-    from megatron_rl.loop.stop import RunStopped
     from megatron_rl.loop.trainer import NonFiniteStepsError
     from megatron_rl.rewards import AllRewardsFailedError
 
@@ -219,7 +218,7 @@ def _describe(e: BaseException) -> str:
 def _close(trainer, code: int, log, log_file) -> int:
     """Stop every process of the run; a clean-up failure (a rank that died already) goes to
     the log, and is the run's error only if nothing else failed."""
-    from megatron_rl.observability.run_log import FILE_ONLY
+    from megatron_rl.observability.run_log import FILE_ONLY  # loaded by _train already
 
     try:
         trainer.close()
