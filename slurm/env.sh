@@ -7,7 +7,9 @@
 #                          whitespace, e.g. "apptainer exec --nv --bind /ckpt /images/mrl.sif"
 #                          (ray, python and megatron-rl are then found inside the image)
 #
-# Defines MRL_RUN (an array: the container prefix, maybe empty) and mrl_run CMD [ARGS].
+# Defines MRL_RUN (an array: the container prefix, maybe empty), mrl_run CMD [ARGS] and
+# mrl_exec CMD [ARGS] (the same, replacing the shell: started with `&`, $! is then the
+# program itself, which a signal sent to $! must reach, not a subshell around it).
 
 if [ -n "${MEGATRON_RL_ACTIVATE:-}" ]; then
   if [ ! -r "$MEGATRON_RL_ACTIVATE" ]; then
@@ -24,3 +26,4 @@ fi
 read -r -a MRL_RUN <<<"${MEGATRON_RL_CONTAINER:-}"
 
 mrl_run() { "${MRL_RUN[@]}" "$@"; }
+mrl_exec() { exec "${MRL_RUN[@]}" "$@"; }

@@ -93,7 +93,7 @@ log=${MRL_RAY_LOG_DIR:-.}/ray-${SLURM_JOB_ID:-local}-$node.log
 echo "[ray_node $node] starting the Ray $role; log: $log"
 exec >>"$log" 2>&1
 echo "[ray_node $node] ray start ${args[*]}"
-mrl_run ray start "${args[@]}" &
+mrl_exec ray start "${args[@]}" &  # $! is ray itself: the TERM trap below signals it
 ray_pid=$!
 
 # SIGTERM/SIGINT from the batch script (through srun): stop Ray and report success. A

@@ -1,4 +1,4 @@
-"""Issue 17's reliability campaign, rerun against the real command line on the tiny CPU demo.
+"""The reliability campaign (issues 17 and 34), run against the real command line on the tiny CPU demo.
 
     nice -n 10 python tools/reliability_campaign.py --out /tmp/campaign [--only config,data,...]
 
@@ -6,7 +6,9 @@ Categories (the issue's counts): 89 config mutations, 20 bad data files, 8 bad p
 44 adversarial reward inputs, 8 ``kill -9`` at random moments (driver, actor worker,
 engine worker, during a save), 12 corrupted checkpoints, 4 non-finite runs and one
 all-failing reward, 3 inputs that would run code (``!!python`` tags, a crafted pickle in a
-checkpoint), 26 bad conversions. Each case is one JSON line in
+checkpoint), 26 bad conversions; and what a shared cluster does to a run
+(``tools/cluster_campaign.py``: signals, a second launch, hung and killed ranks and engines,
+full disks, stale Ray files, undeclared rewards). Each case is one JSON line in
 ``OUT/campaign.jsonl``; the end prints the table of docs/reliability.md.
 
 Outcomes: ``handled`` (refused with the expected exit code naming the field/file/row and
@@ -18,6 +20,7 @@ a step missing or logged twice); ``code_executed`` and ``orphans`` are counted a
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import random
@@ -33,10 +36,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from megatron_rl.cli.reaper import descendants, process_start_time  # noqa: E402
 from megatron_rl.observability import read_metrics  # noqa: E402
 from megatron_rl.rewards import reward  # noqa: E402
 from tests.helpers.checkpoints import CORRUPTIONS  # noqa: E402
+from tests.helpers.runs import cmdline, descendants, logged_steps, wait_tree_gone  # noqa: E402
 
 EXAMPLE = REPO / "examples" / "tiny_cpu.yaml"
 TOY = REPO / "examples" / "data" / "toy"
@@ -172,7 +175,8 @@ def _jsonl(path: Path, rows: list, raw: dict[int, bytes] | None = None) -> Path:
 
 
 def data_cases(tmp: Path) -> list[tuple[str, list[str], tuple[str, ...]]]:
-    """20 bad data files (the last warns instead: duplicate ids)."""
+    """24 bad data files, 2 that must pass the dry run (a UTF-8 byte-order mark, blank lines)
+and duplicate ids, which must pass with a warning."""
     toy = [json.loads(line) for line in (TOY / "train.jsonl").read_text().splitlines()]
     long_row = [dict(r) for r in toy]
     long_row[399]["prompt"] = LONG
@@ -215,6 +219,18 @@ def data_cases(tmp: Path) -> list[tuple[str, list[str], tuple[str, ...]]]:
             [f"data.eval_files=[{_jsonl(tmp / 'le.jsonl', [ROW] * 2, {2: bytes([0xFF, 0xFE]) + b'{}'})}]"],
             ("le.jsonl, row 2", "UTF-8"),
         ),  # fmt: skip
+        ("nul_byte_row_2", train("nul.jsonl", [ROW] * 3, {2: b'{"prompt": "copy 1 =\x00", "ground_truth": "1"}'}),
+         ("nul.jsonl", "row 2", "NUL")),
+        ("nul_character_in_prompt", train("nulc.jsonl", [ROW, {"prompt": "copy 1\u0000 =", "ground_truth": "1"}]),
+         ("nulc.jsonl", "row 2", "NUL")),
+        ("nan_ground_truth_row_2", train("nan.jsonl", [ROW] * 2, {2: b'{"prompt": "copy 1 =", "ground_truth": NaN}'}),
+         ("nan.jsonl", "row 2", "ground_truth")),
+        ("infinite_ground_truth", train("inf.jsonl", [ROW, {"prompt": "copy 1 =", "ground_truth": [float("inf")]}]),
+         ("inf.jsonl", "row 2", "ground_truth")),
+        ("utf8_bom_is_dropped", train("bom.jsonl", [ROW] * 2, {1: b"\xef\xbb\xbf" + json.dumps(ROW).encode()}) + ["DRY"],
+         ()),
+        ("blank_lines_are_skipped", train("gaps.jsonl", [ROW, ROW], {1: json.dumps(ROW).encode() + b"\n\n  "}) + ["DRY"],
+         ()),
         (
             "duplicate_ids",
             train("dup.jsonl", [{**ROW, "id": "x"}, {**ROW, "id": "x"}]) + ["DRY"],
@@ -279,6 +295,28 @@ def always_raises(response, ground_truth):
     raise KeyError("answer")
 
 
+@reward
+def greedy(response, ground_truth):
+    """A reward that allocates 2 GiB (touching every page) or scores 1e308, as ``response`` says."""
+    if response == "allocate":
+        block = bytearray(2 << 30)
+        block[:: 1 << 12] = b"x" * len(block[:: 1 << 12])
+    return 1e308
+
+
+def _greedy_rewards() -> None:
+    """A reward past its worker's memory cap (``data.reward_memory_mb``) and one beyond
+    ``data.max_abs_reward``: each scores as a failure naming why; the driver lives on."""
+    from megatron_rl.rewards import RewardPool
+
+    with RewardPool("reliability_campaign:greedy", num_workers=1, timeout_s=60, memory_mb=1024, max_abs_score=1e6) as pool:
+        results = pool.score(["allocate", "huge"], [None, None])
+    for case, result, needle in zip(("past_reward_memory_mb", "beyond_max_abs_reward"), results,
+                                    ("MemoryError", "(data.max_abs_reward)")):  # fmt: skip
+        ok = result.error is not None and needle in result.error and result.score == 0.0  # a failure scores 0
+        record("rewards", case, "handled" if ok else "accepted", score=result.score, error=(result.error or "")[:120])
+
+
 def campaign_rewards(out: Path) -> None:
     from megatron_rl.rewards import RewardPool
     from megatron_rl.tasks import get_reward
@@ -318,25 +356,18 @@ def campaign_rewards(out: Path) -> None:
             record("rewards", f"{name}#{i}", "handled" if ok else "crashed", score=result.score,
                    timed_out=result.timed_out, error=(result.error or "")[:120], batch_seconds=round(seconds, 1))  # fmt: skip
     record("code_execution", "reward_inputs", "crashed" if marker.exists() else "handled")
+    _greedy_rewards()
 
 
 # --------------------------------------------------------------------------- kills
 
 
-def _start(out: Path, *overrides: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "megatron_rl", *train_args(out, *overrides)], cwd=CODE, env=_env(),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
-
-
-def _alive(tree: dict[int, int]) -> list[int]:
-    return [p for p, s in tree.items() if process_start_time(p) == s]
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")
-    except OSError:
-        return ""
+def _start(out: Path, *overrides: str, env: dict[str, str] | None = None, piped: bool = False) -> subprocess.Popen:
+    """The run, started in a session of its own; ``piped``: its output readable (read it)."""
+    output = subprocess.PIPE if piped else subprocess.DEVNULL
+    return subprocess.Popen([sys.executable, "-m", "megatron_rl", *train_args(out, *overrides)], cwd=CODE,
+                            env={**_env(), **(env or {})}, stdout=output, stderr=subprocess.STDOUT if piped else output,
+                            text=True, start_new_session=True)  # fmt: skip
 
 
 KILL_STEPS = ("trainer.num_steps=6", "trainer.save_every_steps=2")
@@ -363,8 +394,8 @@ def _kill_once(run_out: Path, target: str, after_step: int, delay: float) -> tup
     pid = victim.pid
     if target in ("actor", "engine"):
         wanted = "ray::ActorWorker" if target == "actor" else "ray::EngineWorker"
-        pid = next((p for p in tree if wanted in _cmdline(p)), victim.pid)
-    killed = _cmdline(pid).split()[0] if _cmdline(pid).startswith("ray::") else "the driver"
+        pid = next((p for p in tree if wanted in cmdline(p)), victim.pid)
+    killed = cmdline(pid).split()[0] if cmdline(pid).startswith("ray::") else "the driver"
     done_before = victim.poll() is not None
     if not done_before:
         os.kill(pid, signal.SIGKILL)
@@ -396,17 +427,14 @@ def campaign_kills(out: Path, *, seed: int = 17) -> None:
             record("kills", f"{target}#{i}", "crashed", reason="the run ended before the kill, three times")
             continue
         run_dir = run_out / "tiny_cpu"
-        gone_at = time.monotonic()
-        while _alive(tree) and time.monotonic() - gone_at < 10:
-            time.sleep(0.1)
-        orphans = [_cmdline(p)[:60] for p in _alive(tree)]
+        orphans = [line[:60] for line in wait_tree_gone(tree, timeout_s=10).values()]
         for _ in range(3):  # resume until the run completes
-            if [r["step"] for r in read_metrics(run_dir)] == list(range(1, 7)) and victim_code == 0:
+            if logged_steps(run_dir) == list(range(1, 7)) and victim_code == 0:
                 break
             code, text = run(train_args(run_out, *KILL_STEPS))
             if code == 0:
                 break
-        steps = [r["step"] for r in read_metrics(run_dir)] if (run_dir / "metrics.jsonl").exists() else []
+        steps = logged_steps(run_dir)
         lost = steps != list(range(1, 7))
         same = not lost and bool(reference) and all(
             abs(r["rollout/reward/mean"] - reference[r["step"]]["rollout/reward/mean"]) < 1e-9
@@ -546,7 +574,7 @@ def campaign_code(out: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True, help="work directory (created; cases write there)")
-    parser.add_argument("--only", default="inputs,rewards,kills,checkpoints,nonfinite,code,conversions")
+    parser.add_argument("--only", default="inputs,rewards,kills,checkpoints,nonfinite,code,conversions,cluster")
     parser.add_argument("--code", type=Path, default=REPO, help="checkout whose megatron_rl the runs use")
     args = parser.parse_args()
     global CODE, LOG
@@ -554,11 +582,13 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     LOG = args.out / "campaign.jsonl"
     LOG.write_text("")
-    from conversion_campaign import campaign_conversions  # tools/ is this script's directory
+    from cluster_campaign import campaign_cluster  # tools/ is this script's directory
+    from conversion_campaign import campaign_conversions
 
     stages = {"inputs": campaign_inputs, "rewards": campaign_rewards, "kills": campaign_kills,
               "checkpoints": campaign_checkpoints, "nonfinite": campaign_nonfinite, "code": campaign_code,
-              "conversions": lambda out: campaign_conversions(out, record, run)}  # fmt: skip
+              "conversions": lambda out: campaign_conversions(out, record, run),
+              "cluster": lambda out: campaign_cluster(out, record, functools.partial(_start, piped=True))}  # fmt: skip
     start = time.monotonic()
     for name in args.only.split(","):
         stages[name](args.out)

@@ -118,17 +118,12 @@ class ActorGroup:
         """``ray.get(pending)`` (one call's result per rank, in rank order), bounded by
         ``actor.call_timeout_s``: a rank's failure raises as soon as it arrives; ranks that
         have not answered by then raise :class:`ActorCallTimeoutError` naming them and ``call``."""
-        if self.broken is not None:  # a hung or failed rank blocks every later call: do not wait again
-            raise ActorCallTimeoutError(f"{call}() not run: {self.broken}")
+        self._check_usable(call)
         waiting, deadline = list(pending), time.monotonic() + self.call_timeout_s
         while waiting:
             ready, waiting = ray.wait(waiting, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
             if not ready:
-                ranks = [pending.index(ref) for ref in waiting]
-                self.broken = (f"actor rank(s) {ranks} did not finish {call}() within {self.call_timeout_s:g} s "
-                                  "(actor.call_timeout_s): hung (a stopped process, a deadlocked collective, a "
-                                  "stalled file system?)")  # fmt: skip
-                raise ActorCallTimeoutError(self.broken + "; rerun the same command to resume from the last checkpoint")
+                self._hung([pending.index(ref) for ref in waiting], call)
             try:
                 ray.get(ready)  # a rank's failure: raised now, not after the others' time-out
             except Exception:
@@ -138,6 +133,30 @@ class ActorGroup:
                     self.broken = f"actor rank {pending.index(ready[0])} failed in {call}() while the others waited"
                 raise
         return ray.get(pending)
+
+    def _check_usable(self, call: str) -> None:
+        if self.broken is not None:  # a hung or failed rank blocks every later call: do not wait again
+            raise ActorCallTimeoutError(f"{call}() not run: {self.broken}")
+
+    def _hung(self, ranks: list[int], call: str) -> None:
+        """Mark the group unusable and raise: ``ranks`` did not finish ``call`` in time."""
+        self.broken = (f"actor rank(s) {ranks} did not finish {call}() within {self.call_timeout_s:g} s "
+                       "(actor.call_timeout_s): hung (a stopped process, a deadlocked collective, a "
+                       "stalled file system?)")  # fmt: skip
+        raise ActorCallTimeoutError(self.broken + "; rerun the same command to resume from the last checkpoint")
+
+    def _stream(self, stream: Any, rank: int, call: str) -> Iterator[Any]:
+        """The ObjectRefs of rank ``rank``'s streaming ``call``, each bounded by
+        ``actor.call_timeout_s`` from the moment it is asked for (the consumer's own time,
+        e.g. engines loading a bucket, does not count: the producer waits on backpressure)."""
+        while True:
+            self._check_usable(call)
+            if not ray.wait([stream], timeout=self.call_timeout_s)[0]:
+                self._hung([rank], call)
+            try:
+                yield next(stream)
+            except StopIteration:
+                return
 
     def _all(self, method: str, *args, **kwargs) -> Any:
         """Run ``method`` on every rank (collective); rank 0's result."""
@@ -233,10 +252,10 @@ class ActorGroup:
             ).remote(bucket_bytes, dtype, fp8)
             for w in self.workers
         ]
-        yield from streams[0]
-        for stream in streams[1:]:
-            for ref in stream:  # none: other ranks only gather; raises if a rank failed
-                ray.get(ref)
+        yield from self._stream(streams[0], 0, "stream_weight_buckets")
+        for rank, stream in enumerate(streams[1:], start=1):
+            for ref in self._stream(stream, rank, "stream_weight_buckets"):  # none: other ranks only gather
+                ray.get(ref)  # raises if the rank failed
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         return self._all("hf_state_dict")

@@ -29,21 +29,14 @@ import sys
 import time
 from pathlib import Path
 
-__all__ = ["descendants", "leftover_shm_files", "process_start_time", "start"]
+from megatron_rl.cluster.processes import process_start_time
+
+__all__ = ["descendants", "leftover_shm_files", "start"]
 
 _PROC = Path("/proc")
 _SHM = Path("/dev/shm")
 _POLL_S = 1.0
 _GRACE_S = 1.0
-
-
-def process_start_time(pid: int) -> int | None:
-    """The start time of ``pid`` (clock ticks after boot), or ``None`` if it is gone or a zombie."""
-    try:
-        fields = (_PROC / str(pid) / "stat").read_text().rpartition(")")[2].split()
-    except OSError:
-        return None
-    return None if fields[0] in ("Z", "X") else int(fields[19])
 
 
 def _parents() -> dict[int, tuple[int, int]]:

@@ -106,11 +106,18 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE
     from megatron_rl.loop.run_lock import RunDirInUseError, lock_run_dir
+    from megatron_rl.storage.durable import disk_full
 
     try:  # held until this process ends; a dry run must not rewrite a running run's config either
         lock = lock_run_dir(config.run_dir)
     except RunDirInUseError as e:
         print(f"error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except OSError as e:
+        if not disk_full(e):
+            raise
+        print(f"error: no space left on the device of {config.run_dir}; free space (or point trainer.output_dir "
+              "elsewhere), then rerun", file=sys.stderr)  # fmt: skip
         return EXIT_USAGE
     with lock:
         if not args.dry_run:
@@ -175,17 +182,11 @@ def _train(config, checked) -> int:
         # Raised inside a Ray actor, the error arrives wrapped; its cause is the message.
         print(f"error: step {trainer.step}: {getattr(e, 'cause', None) or e}", file=sys.stderr)
         code = EXIT_FAILURE
-    except RayActorError as e:  # a rank killed from outside (OOM killer, a node lost): resumable
-        log.error("a process of the run died", exc_info=True, extra=FILE_ONLY)
-        print(
-            f"error: step {trainer.step}: a process of the run died ({type(e).__name__}: "
-            f"{str(e).splitlines()[0][:200]}); rerun the same command to resume from the last checkpoint",
-            file=sys.stderr,
-        )
-        code = EXIT_FAILURE
-    except Exception as e:  # noqa: BLE001  (any other failure: one line here, the traceback in the log)
+    except Exception as e:  # noqa: BLE001  (any failure: one line here, the traceback in the log)
+        # A rank killed from outside (the OOM killer, a node lost) is said as such: resumable.
+        what = f"a process of the run died ({_describe(e)})" if isinstance(e, RayActorError) else _describe(e)
         log.error("the run failed at step %d", trainer.step, exc_info=True, extra=FILE_ONLY)
-        print(f"error: step {trainer.step}: {_describe(e)} (traceback in {log_file}); rerun the same command to "
+        print(f"error: step {trainer.step}: {what} (traceback in {log_file}); rerun the same command to "
               "resume from the last checkpoint", file=sys.stderr)  # fmt: skip
         code = EXIT_FAILURE
     code = _close(trainer, code, log, log_file)

@@ -162,9 +162,12 @@ def _check_architecture(config: RunConfig) -> dict[str, Any]:
     hf_config, _, source = _read_hf_config(config)
     key = "model.hf_config" if config.model.tiny is None else "model.tiny"
     try:
-        dims = adapter_for_config(hf_config).dims(hf_config)
+        adapter = adapter_for_config(hf_config)
+        dims = adapter.dims(hf_config)
     except (ConversionError, KeyError, TypeError, ValueError) as e:
         raise ConfigError(key, f"{source}{type(e).__name__}: {e}") from None
+    if adapter.not_yet:
+        raise ConfigError(key, f"{source}model_type {adapter.model_type!r} cannot be trained: {adapter.not_yet}")
     par, where = config.parallel, source.rstrip(": ") or "the model"
     tp, pp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size
     for what, value in (("attention heads", dims.num_attention_heads), ("key/value heads", dims.num_query_groups)):
@@ -369,6 +372,10 @@ def _warn_duplicates(key: str, repeats: list[tuple[PromptRow, PromptRow]], what:
         )
 
 
+MIN_FREE_BYTES = 256 << 10
+"""Free space a run directory's file system must have at start (the config, lock, logs)."""
+
+
 def _check_writable(run_dir: Path) -> None:
     """``run_dir`` exists and is writable, or can be created (nothing is created here)."""
     existing = run_dir
@@ -384,3 +391,10 @@ def _check_writable(run_dir: Path) -> None:
         raise ConfigError(key, f"cannot write to {existing} ({e.strerror or e}); the run writes to {run_dir}") from None
     if not os.access(existing, os.W_OK | os.X_OK):
         raise ConfigError(key, f"cannot write to {existing}; the run writes to {run_dir}")
+    # An empty file fits on a full disk: the space is checked apart (the run's config, lock
+    # and first log lines need some; a checkpoint that does not fit is reported when written).
+    stat = os.statvfs(existing)
+    free = stat.f_bavail * stat.f_frsize
+    if free < MIN_FREE_BYTES:
+        raise ConfigError(key, f"the file system of {existing} is full ({free >> 10} KiB free, less than "
+                               f"{MIN_FREE_BYTES >> 10} KiB); free space or write the run elsewhere")  # fmt: skip

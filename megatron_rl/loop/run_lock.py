@@ -27,6 +27,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from megatron_rl.cluster.processes import process_start_time
+
 __all__ = ["LOCK_FILE", "RunDirInUseError", "RunDirLock", "lock_run_dir"]
 
 LOCK_FILE = "run.lock"
@@ -40,19 +42,9 @@ class RunDirInUseError(RuntimeError):
     """Another live run holds the run directory; the message names it and the holder."""
 
 
-def _proc_start_ticks(pid: int) -> int | None:
-    """The process's start time in clock ticks since boot (``/proc/PID/stat`` field 22),
-    which tells a live process from a new one that reuses its pid; ``None``: no such process."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return int(stat.rsplit(")", 1)[1].split()[19])
-
-
 def _holder_record() -> dict:
     pid = os.getpid()
-    return {"pid": pid, "host": socket.gethostname(), "proc_start_ticks": _proc_start_ticks(pid),
+    return {"pid": pid, "host": socket.gethostname(), "proc_start_ticks": process_start_time(pid),
             "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "command": " ".join(sys.argv)[:300]}  # fmt: skip
 
 
@@ -67,7 +59,7 @@ def _holder_is_gone(holder: dict) -> bool:
     """Whether the record names a process of this host that no longer runs (a stale record)."""
     if holder.get("host") != socket.gethostname() or not isinstance(holder.get("pid"), int):
         return False
-    ticks = _proc_start_ticks(holder["pid"])
+    ticks = process_start_time(holder["pid"])
     return ticks is None or ticks != holder.get("proc_start_ticks")
 
 

@@ -13,17 +13,25 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 
-from megatron_rl.models.weight_units import LAYER_PREFIX, ConversionError, WeightUnit, hf_to_mcore, mcore_to_hf
+from megatron_rl.models.weight_units import (
+    LAYER_PREFIX,
+    ConversionError,
+    WeightUnit,
+    canonical_mcore_name,
+    hf_to_mcore,
+    mcore_to_hf,
+)
 
 __all__ = [
     "ModelDims",
     "DecoderAdapter",
     "config_dict",
+    "layer_unit",
     "padded_vocab_size",
     "require_false",
     "require_no_sliding_window",
@@ -186,6 +194,10 @@ class DecoderAdapter:
     architecture: str | None = None
     """The HF ``architectures`` class name of this ``model_type`` (``Qwen2ForCausalLM``), for
     a ``config.json`` written without one; ``None`` when the adapter does not say."""
+    not_yet: str | None = None
+    """What the rest of the pipeline (the actor, ``megatron-rl convert``, weight sync) cannot
+    do with this architecture yet, said by the pre-flight and the converter when they refuse
+    it; ``None``: nothing."""
 
     hf_to_mcore = staticmethod(hf_to_mcore)
     mcore_to_hf = staticmethod(mcore_to_hf)
@@ -308,7 +320,7 @@ class DecoderAdapter:
         d = self.dims(hf_config)
         if padded_vocab_size < d.vocab_size:
             raise ValueError(f"padded_vocab_size={padded_vocab_size} < vocab_size={d.vocab_size}")
-        H, F_, dh = d.hidden_size, d.ffn_hidden_size, d.head_dim
+        H, dh = d.hidden_size, d.head_dim
         q_rows, kv_rows = d.num_attention_heads * dh, d.num_query_groups * dh
         units = [
             WeightUnit(
@@ -322,7 +334,8 @@ class DecoderAdapter:
             )
         ]
         for i in range(d.num_layers):
-            units += _layer_units(d, i, q_rows=q_rows, kv_rows=kv_rows, H=H, F=F_)
+            units += _attention_units(d, i, q_rows=q_rows, kv_rows=kv_rows, H=H)
+            units += self.mlp_units(hf_config, d, i)
         units.append(
             WeightUnit(
                 kind="copy",
@@ -347,6 +360,20 @@ class DecoderAdapter:
                 )
             )
         return units
+
+    def mlp_units(self, hf_config: Any, d: ModelDims, layer: int) -> list[WeightUnit]:
+        """The units of decoder layer ``layer``'s MLP block, its pre-MLP norm first (HF order).
+
+        The dense SwiGLU MLP here; an adapter with another MLP (mixture of experts,
+        :mod:`megatron_rl.models.moe`) overrides it. ``d`` is ``self.dims(hf_config)``.
+        """
+        return _dense_mlp_units(d, layer)
+
+    def canonical_mcore_name(self, name: str) -> str:
+        """This architecture's unit name (``WeightUnit.mcore_name``) of a GPTModel parameter
+        name with a global layer index; :func:`~megatron_rl.models.weight_units.canonical_mcore_name`
+        for the dense decoders, overridden where the local spec's names map otherwise (MoE)."""
+        return canonical_mcore_name(name)
 
     def ignorable_hf_names(self, hf_config: Any) -> Callable[[str], bool]:
         """Predicate for HF tensors that carry no weights of their own.
@@ -381,25 +408,41 @@ def _local_spec(layer_spec, *, qk_norm: bool, sequence_parallel: bool):
     return dataclasses.replace(layer_spec, submodules=layer)
 
 
-def _layer_units(d: ModelDims, i: int, *, q_rows: int, kv_rows: int, H: int, F: int) -> list[WeightUnit]:
-    hf = f"model.layers.{i}."
+def layer_unit(
+    layer: int,
+    kind: str,
+    suffix: str,
+    hf_suffixes: Sequence[str],
+    hf_shapes: Sequence[tuple[int, ...]],
+    mcore_shape: tuple[int, ...],
+    *,
+    sharded_suffix: str | None = None,
+    **extra: Any,
+) -> WeightUnit:
+    """The unit of parameter ``decoder.layers.<layer>.<suffix>`` made of the HF tensors
+    ``model.layers.<layer>.<hf_suffix>``; its dist-checkpoint key is
+    ``decoder.layers.<sharded_suffix>`` (default: ``suffix``; layers stacked on a leading
+    dimension). ``extra``: the other :class:`WeightUnit` fields (``num_query_groups``,
+    ``expert``, ...)."""
+    hf = f"model.layers.{layer}."
+    return WeightUnit(
+        kind=kind,
+        mcore_name=f"{LAYER_PREFIX}{layer}.{suffix}",
+        sharded_key=f"{LAYER_PREFIX}{sharded_suffix or suffix}",
+        layer=layer,
+        hf_names=tuple(hf + n for n in hf_suffixes),
+        hf_shapes=tuple(hf_shapes),
+        mcore_shape=mcore_shape,
+        **extra,
+    )
 
-    def unit(kind, suffix, names, shapes, mcore_shape, **extra) -> WeightUnit:
-        return WeightUnit(
-            kind=kind,
-            mcore_name=f"{LAYER_PREFIX}{i}.{suffix}",
-            sharded_key=f"{LAYER_PREFIX}{suffix}",
-            layer=i,
-            hf_names=tuple(hf + n for n in names),
-            hf_shapes=tuple(shapes),
-            mcore_shape=mcore_shape,
-            **extra,
-        )
 
+def _attention_units(d: ModelDims, i: int, *, q_rows: int, kv_rows: int, H: int) -> list[WeightUnit]:
     qkv_names = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
     units = [
-        unit("copy", "self_attention.linear_qkv.layer_norm_weight", ["input_layernorm.weight"], [(H,)], (H,)),
-        unit(
+        layer_unit(i, "copy", "self_attention.linear_qkv.layer_norm_weight", ["input_layernorm.weight"], [(H,)], (H,)),
+        layer_unit(
+            i,
             "qkv",
             "self_attention.linear_qkv.weight",
             [n + ".weight" for n in qkv_names],
@@ -410,7 +453,8 @@ def _layer_units(d: ModelDims, i: int, *, q_rows: int, kv_rows: int, H: int, F: 
     ]
     if d.qkv_bias:
         units.append(
-            unit(
+            layer_unit(
+                i,
                 "qkv",
                 "self_attention.linear_qkv.bias",
                 [n + ".bias" for n in qkv_names],
@@ -420,18 +464,24 @@ def _layer_units(d: ModelDims, i: int, *, q_rows: int, kv_rows: int, H: int, F: 
             )
         )
     if d.qk_norm:
-        units.append(unit("copy", "self_attention.q_layernorm.weight", ["self_attn.q_norm.weight"], [(d.head_dim,)], (d.head_dim,)))
-        units.append(unit("copy", "self_attention.k_layernorm.weight", ["self_attn.k_norm.weight"], [(d.head_dim,)], (d.head_dim,)))
-    units += [
-        unit("copy", "self_attention.linear_proj.weight", ["self_attn.o_proj.weight"], [(H, q_rows)], (H, q_rows)),
-        unit("copy", "mlp.linear_fc1.layer_norm_weight", ["post_attention_layernorm.weight"], [(H,)], (H,)),
-        unit(
+        dh = d.head_dim
+        units.append(layer_unit(i, "copy", "self_attention.q_layernorm.weight", ["self_attn.q_norm.weight"], [(dh,)], (dh,)))
+        units.append(layer_unit(i, "copy", "self_attention.k_layernorm.weight", ["self_attn.k_norm.weight"], [(dh,)], (dh,)))
+    units.append(layer_unit(i, "copy", "self_attention.linear_proj.weight", ["self_attn.o_proj.weight"], [(H, q_rows)], (H, q_rows)))
+    return units
+
+
+def _dense_mlp_units(d: ModelDims, i: int) -> list[WeightUnit]:
+    H, F = d.hidden_size, d.ffn_hidden_size
+    return [
+        layer_unit(i, "copy", "mlp.linear_fc1.layer_norm_weight", ["post_attention_layernorm.weight"], [(H,)], (H,)),
+        layer_unit(
+            i,
             "gate_up",
             "mlp.linear_fc1.weight",
             ["mlp.gate_proj.weight", "mlp.up_proj.weight"],
             [(F, H), (F, H)],
             (2 * F, H),
         ),
-        unit("copy", "mlp.linear_fc2.weight", ["mlp.down_proj.weight"], [(H, F)], (H, F)),
+        layer_unit(i, "copy", "mlp.linear_fc2.weight", ["mlp.down_proj.weight"], [(H, F)], (H, F)),
     ]
-    return units

@@ -35,6 +35,21 @@ QKV interleaving: megatron's ``SelfAttention`` views the fused projection output
 head and one value head, so the fused weight is, per query group ``g``,
 ``[q heads g*nh/ng .. (g+1)*nh/ng-1; k head g; v head g]``. Tensor parallelism gives
 each rank ``ng/TP`` whole groups, so the full tensor above is TP-independent.
+
+Mixture-of-experts layers (:mod:`megatron_rl.models.moe`; ``E`` experts of width ``F_e``,
+``j`` the global expert index) replace the three MLP rows:
+
+====================================  ==========================================  =====================
+...pre_mlp_layernorm.weight [H]       post_attention_layernorm.weight              copy
+...mlp.router.weight [E, H]           mlp.gate.weight                              copy
+...local_experts.j.linear_fc1.weight  mlp.experts.j.gate_proj.weight, up_proj      [gate; up]
+...local_experts.j.linear_fc2.weight  mlp.experts.j.down_proj.weight               copy
+====================================  ==========================================  =====================
+
+``...`` is ``decoder.layers.i`` and ``...local_experts`` is
+``decoder.layers.i.mlp.experts.local_experts`` (fc1 ``[2 F_e, H]``, fc2 ``[H, F_e]``).
+The pre-MLP norm of a MoE layer keeps its own name: there is no ``linear_fc1`` to fuse
+it into, and megatron-core's Transformer-Engine spec checkpoints it under that name.
 """
 
 from __future__ import annotations
@@ -83,6 +98,14 @@ class WeightUnit:
     mcore_shape: tuple[int, ...]
     num_query_groups: int = 1
     """ng, used by ``qkv`` units only."""
+    expert: int | None = None
+    """Global expert index j of a mixture-of-experts expert unit (HF ``mlp.experts.<j>.``);
+    None otherwise. megatron-core's dist-checkpoint stores expert j of layer i as element
+    ``[i, j]`` of a tensor of global shape ``(num_layers, num_experts, *mcore_shape)`` under
+    ``sharded_key``, whatever the expert parallelism. ``mcore_name`` names it by its index
+    among the local experts of its rank, which is j at expert parallelism 1."""
+    num_experts: int = 0
+    """E, the length of the expert axis of ``sharded_key`` (expert units only)."""
 
 
 LAYER_PREFIX = "decoder.layers."

@@ -1,12 +1,14 @@
 """Where a run's log records go: everything to files in ``RUN_DIR/logs``, only the
-project's own warnings and every error to the screen.
+project's own warnings and errors to the screen, and the libraries' errors in the driver.
 
 A normal run's screen holds the progress line and what needs the user's attention. The
 notices of the libraries underneath (megatron-core's "Apex is not installed", deprecation
 warnings, Ray's token-authentication notice, transformers' loading bars) go to
 ``RUN_DIR/logs/driver.log`` and to one file per Ray worker process
 (``RUN_DIR/logs/worker-<pid>.log``; each actor rank and engine names itself in its file),
-where they can still be read.
+where they can still be read. A library's error in a worker (megatron-core's checkpoint
+writer on a full disk, say) stays in the worker's file: the failure reaches the driver as
+the exception of the call, which the driver reports as one ``error:`` line.
 
 The driver calls :func:`setup_process_logging`; the builder starts Ray with
 :func:`setup_worker_logging` as the job's ``worker_process_setup_hook`` and the log
@@ -34,12 +36,18 @@ screen shows already."""
 
 
 class _ScreenFilter(logging.Filter):
-    """The project's records at the console level, and anyone's errors (not :data:`FILE_ONLY` ones)."""
+    """The project's records at the console level, and (``library_errors``) anyone's errors;
+    never :data:`FILE_ONLY` ones."""
+
+    def __init__(self, *, library_errors: bool):
+        super().__init__()
+        self.library_errors = library_errors
 
     def filter(self, record: logging.LogRecord) -> bool:
         if getattr(record, "file_only", False):
             return False
-        return record.name.split(".")[0] == "megatron_rl" or record.levelno >= logging.ERROR
+        ours = record.name.split(".")[0] == "megatron_rl"
+        return ours or (self.library_errors and record.levelno >= logging.ERROR)
 
 
 class _QuietFileHandler(logging.FileHandler):
@@ -67,11 +75,13 @@ def _show_warning(message, category, filename, lineno, file=None, line=None) -> 
     logging.getLogger("megatron_rl.warnings" if ours else "py.warnings").warning("%s", text)
 
 
-def setup_process_logging(log_file: Path, *, console_level: int = logging.WARNING) -> None:
+def setup_process_logging(
+    log_file: Path, *, console_level: int = logging.WARNING, library_errors_on_screen: bool = True
+) -> None:
     """Send this process's log records (INFO and up, Python warnings included) to
     ``log_file`` and only the project's (``console_level`` and up, its own Python
-    warnings included) and errors to stderr.
-    Idempotent: the handlers it added before are replaced."""
+    warnings included) and, with ``library_errors_on_screen``, other libraries' errors to
+    stderr. Idempotent: the handlers it added before are replaced."""
     log_file = Path(log_file)
     log_file.parent.mkdir(parents=True, exist_ok=True)
     root = logging.getLogger()
@@ -83,7 +93,7 @@ def setup_process_logging(log_file: Path, *, console_level: int = logging.WARNIN
     file_handler.setFormatter(logging.Formatter(_FORMAT))
     screen = logging.StreamHandler(sys.stderr)
     screen.setLevel(console_level)
-    screen.addFilter(_ScreenFilter())
+    screen.addFilter(_ScreenFilter(library_errors=library_errors_on_screen))
     screen.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
     for handler in (file_handler, screen):
         handler._megatron_rl = True  # type: ignore[attr-defined]
@@ -109,7 +119,7 @@ def setup_worker_logging() -> None:
     directory = os.environ.get(LOG_DIR_ENV)
     if not directory:
         return
-    setup_process_logging(Path(directory) / f"worker-{os.getpid()}.log")
+    setup_process_logging(Path(directory) / f"worker-{os.getpid()}.log", library_errors_on_screen=False)
     try:
         from transformers.utils import logging as hf_logging
     except ImportError:

@@ -4,12 +4,19 @@ engine ends up with exactly the actor's weights.
 Checked three ways: (1) the pool engine's completions equal (log-probs to float32 rounding)
 those of a fresh in-process engine loaded from the actor's own HF state dict; (2) the
 engine's log-probs match the actor's recomputed log-probs (the mismatch metric) to
-float32 rounding; (3) before the sync they did not (the engine started from other weights).
+float32 rounding; (3) before the sync they did not (the engine started from other weights). Last, a rank
+that hangs while it streams the buckets (SIGSTOP) fails the sync after
+``actor.call_timeout_s`` naming the rank and the call, and the engine keeps its weights.
 """
 
-import pytest
+import os
+import signal
+import time
 
-from megatron_rl.actor.group import ActorGroup
+import pytest
+import ray
+
+from megatron_rl.actor.group import ActorCallTimeoutError, ActorGroup
 from megatron_rl.actor.spec import ActorSpec
 from megatron_rl.algo.mismatch import logprob_mismatch
 from megatron_rl.cluster.placement import GroupPlacement
@@ -68,6 +75,21 @@ def test_sync_from_tp2_actor_gives_the_engine_the_actor_weights(tmp_path, ray_se
                 # the pool's engine and this one run with different thread counts, so float
                 # reductions may differ in the last bit
                 assert got.logprobs == pytest.approx(ref_c.logprobs, abs=1e-6)
+
+        # Rank 0 stopped (alive, silent): the stream's first bucket never comes.
+        actors.call_timeout_s = 5.0
+        metas = actors.weight_metadata()
+        rank0 = ray.get(actors.workers[0].__ray_call__.remote(lambda worker: os.getpid()))
+        os.kill(rank0, signal.SIGSTOP)
+        start = time.monotonic()
+        with pytest.raises(ActorCallTimeoutError, match=r"rank\(s\) \[0\] did not finish stream_weight_buckets\(\) "
+                                                        r"within 5 s \(actor.call_timeout_s\)"):  # fmt: skip
+            pool.sync(actors.weight_buckets(1 << 14), version=2, metas=metas)
+        assert time.monotonic() - start < 60
+        os.kill(rank0, signal.SIGCONT)
+        with pytest.raises(ActorCallTimeoutError, match="not run"):  # the group is unusable from here on
+            actors.weight_metadata()
+        assert all(c.weight_version == 1 for group in pool.generate(prompts, params) for c in group)
     finally:
         pool.shutdown()
         actors.shutdown()

@@ -39,14 +39,15 @@ def ckpts(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def pool(ray_cluster, ckpts):
-    # A request takes well under a second here; the 5 s time-out only matters for the hang test.
+    # A request takes well under a second here; the 5 s (request) and 15 s (a bucket's load)
+    # time-outs only matter for the hang tests.
     # The module kills one engine up to four times (which one the armed faults hit is a
     # race), more than the default max_restarts=3 allows.
     config = RolloutConfig(
         engine="tests.helpers.rollout_engines:FaultOnceEngine",
         engine_args={"arm_file": str(ckpts[2])},
         num_engines=2,
-        pool=PoolConfig(restart_timeout_s=120, request_timeout_s=5, max_restarts=10),
+        pool=PoolConfig(restart_timeout_s=120, request_timeout_s=5, max_restarts=10, weight_sync_timeout_s=15),
     )
     pool = RolloutPool(config, str(ckpts[0]), placement=GroupPlacement.uniform(2, num_cpus=1))
     yield pool
@@ -178,6 +179,20 @@ def test_an_engine_that_dies_during_sleep_is_restarted_asleep_with_current_weigh
     assert sum(h["pid"] != before[h["engine"]] for h in health) == 1
     pool.wake()
     assert _ids(pool.generate(PROMPTS, PARAMS)) == _ids(HFEngine(ckpts[1]).generate(PROMPTS, PARAMS))
+
+
+def test_an_engine_that_hangs_loading_a_bucket_is_restarted_with_the_synced_weights(pool, ckpts):
+    before = {h["engine"]: h["pid"] for h in pool.health()}
+    state = hf_state(ckpts[0])  # the first weights again, as version 2
+    ckpts[2].write_text("load:hang")  # the first engine to load a bucket never returns
+    start = time.monotonic()
+    pool.sync(make_buckets(state.items(), int(0.05 * MIB)), version=2,
+              metas=[TensorMeta.of(name, tensor) for name, tensor in state.items()])  # fmt: skip
+    assert not ckpts[2].exists() and time.monotonic() - start < 120
+    health = pool.health()
+    assert all(h["ok"] and h["weight_version"] == pool.weight_version == 2 for h in health), health
+    assert sum(h["pid"] != before[h["engine"]] for h in health) == 1
+    assert _ids(pool.generate(PROMPTS, PARAMS)) == _ids(HFEngine(ckpts[0]).generate(PROMPTS, PARAMS))
 
 
 def test_request_failing_twice_names_engine_and_request(ray_cluster, ckpts):

@@ -27,11 +27,10 @@ import pytest
 import torch
 
 from megatron_rl import cli
-from megatron_rl.cli.reaper import descendants, process_start_time
-from megatron_rl.observability import read_metrics
 from megatron_rl.storage.checkpoints import checkpoint_files, file_digest, write_manifest
 from tests.e2e.conftest import EXAMPLE, ROOT, TOY, tiny_overrides
 from tests.helpers.checkpoints import CORRUPTIONS, largest_shard
+from tests.helpers.runs import descendants, logged_steps, wait_for_steps, wait_tree_gone
 
 QUICK = ("trainer.eval_every_steps=0", "logging.token_diagnostics=false")
 
@@ -45,10 +44,6 @@ def _cli(out_dir: Path, *extra: str, dry_run: bool = False) -> subprocess.Popen:
 def _finish(proc: subprocess.Popen, timeout: float = 600) -> str:
     out, _ = proc.communicate(timeout=timeout)
     return out
-
-
-def _steps(run_dir: Path) -> list[int]:
-    return [r["step"] for r in read_metrics(run_dir)]
 
 
 def test_an_over_long_prompt_fails_before_ray_starts(tmp_path):
@@ -68,32 +63,22 @@ def test_an_over_long_prompt_fails_before_ray_starts(tmp_path):
     assert time.monotonic() - start < 120
 
 
-def _alive(tree: dict[int, int]) -> list[int]:
-    return [pid for pid, started in tree.items() if process_start_time(pid) == started]
-
-
 def test_kill9_before_the_first_checkpoint_leaves_no_process_and_the_rerun_logs_each_step_once(tmp_path):
     run_dir = tmp_path / "tiny_cpu"
     victim = _cli(tmp_path, "trainer.num_steps=40", "trainer.save_every_steps=0")
-    deadline = time.monotonic() + 600
-    while not ((run_dir / "metrics.jsonl").exists() and len(_steps(run_dir)) >= 2):
-        assert victim.poll() is None and time.monotonic() < deadline, "the run ended early:\n" + victim.stdout.read()
-        time.sleep(0.1)
+    wait_for_steps(victim, run_dir, 2)
     tree = descendants({victim.pid})  # Ray's GCS, raylet, agents, the actor, the engine, reward workers
     assert len(tree) >= 5, tree
     victim.send_signal(signal.SIGKILL)  # the driver alone: nothing of its own clean-up runs
     victim.wait()
-    killed_at = time.monotonic()
-    while _alive(tree) and time.monotonic() - killed_at < 10:
-        time.sleep(0.1)
-    left = {pid: Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")[:80] for pid in _alive(tree)}
-    assert not left, f"alive {time.monotonic() - killed_at:.0f} s after the driver was killed: {left}"
-    assert not (run_dir / "checkpoints").exists() and _steps(run_dir)[:2] == [1, 2]
+    left = wait_tree_gone(tree, timeout_s=10)
+    assert not left, f"alive 10 s after the driver was killed: {left}"
+    assert not (run_dir / "checkpoints").exists() and logged_steps(run_dir)[:2] == [1, 2]
 
     rerun = _cli(tmp_path, "trainer.num_steps=3", "trainer.save_every_steps=0")
     out = _finish(rerun)
     assert rerun.returncode == 0, out
-    assert _steps(run_dir) == [1, 2, 3], "each step once: the dead run's lines were dropped"
+    assert logged_steps(run_dir) == [1, 2, 3], "each step once: the dead run's lines were dropped"
     # A quiet screen: the libraries' notices (megatron-core without Apex/TE, deprecations,
     # Ray's token-auth notice) went to RUN_DIR/logs, not to the terminal.
     for noise in ("Apex", "TypedStorage", "FutureWarning", "Token authentication", "Loading weights"):
@@ -155,7 +140,7 @@ def test_a_truncated_latest_resumes_from_the_previous_one_and_a_poisoned_rng_fil
     assert f"resuming from {step1}" in out
     assert "not a tensor-only RNG file, so it was not unpickled" in out
     assert not marker.exists(), "the crafted pickle ran"
-    assert _steps(tmp_path / "tiny_cpu") == [1, 2, 3]
+    assert logged_steps(tmp_path / "tiny_cpu") == [1, 2, 3]
     assert (checkpoints / "latest").read_text().strip() == "step_000003"
 
 
@@ -177,4 +162,4 @@ def test_lr_1e30_never_makes_destroyed_weights_the_latest_checkpoint(tmp_path):
     mcore_to_hf(McoreToHfOptions(mcore_dir=checkpoints / "step_000001", out_dir=tmp_path / "hf"))
     weights = load_file(tmp_path / "hf" / "model.safetensors")
     assert weights and all(torch.isfinite(t).all() for t in weights.values())
-    assert _steps(tmp_path / "tiny_cpu") == [1, 2]  # the step that stopped the run is logged
+    assert logged_steps(tmp_path / "tiny_cpu") == [1, 2]  # the step that stopped the run is logged

@@ -33,10 +33,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from megatron_rl.cli.reaper import descendants, process_start_time
-from megatron_rl.observability import read_metrics
+from megatron_rl.cluster.processes import process_start_time
 from megatron_rl.storage.checkpoints import read_latest
 from tests.e2e.conftest import ASYNC, EXAMPLE, ROOT, tiny_overrides
+from tests.helpers.runs import cmdline, descendants, logged_steps, wait_for_steps, wait_tree_gone
 
 pytestmark = pytest.mark.e2e
 
@@ -49,28 +49,6 @@ def _cli(out_dir: Path, *extra: str, env: dict | None = None) -> subprocess.Pope
                             start_new_session=True, env=env)  # fmt: skip
 
 
-def _steps(run_dir: Path) -> list[int]:
-    return [r["step"] for r in read_metrics(run_dir)] if (run_dir / "metrics.jsonl").exists() else []
-
-
-def _wait_for_steps(proc: subprocess.Popen, run_dir: Path, n: int) -> None:
-    deadline = time.monotonic() + 600
-    while len(_steps(run_dir)) < n:
-        assert proc.poll() is None and time.monotonic() < deadline, "the run ended early:\n" + proc.stdout.read()
-        time.sleep(0.1)
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")[:80]
-    except OSError:
-        return "?"
-
-
-def _alive(tree: dict[int, int]) -> dict[int, str]:
-    return {pid: _cmdline(pid) for pid, started in tree.items() if process_start_time(pid) == started}
-
-
 def _stop(proc: subprocess.Popen, *signals: signal.Signals) -> tuple[int, str]:
     """Send ``signals`` to the driver alone (back to back), wait for it; returns its code and output,
     after checking that nothing it started is left 15 s later."""
@@ -79,10 +57,8 @@ def _stop(proc: subprocess.Popen, *signals: signal.Signals) -> tuple[int, str]:
     for sig in signals:
         proc.send_signal(sig)
     out, _ = proc.communicate(timeout=300)
-    ended = time.monotonic()
-    while _alive(tree) and time.monotonic() - ended < 15:
-        time.sleep(0.2)
-    assert not _alive(tree), f"left {time.monotonic() - ended:.0f} s after the driver ended: {_alive(tree)}"
+    left = wait_tree_gone(tree)
+    assert not left, f"left 15 s after the driver ended: {left}"
     return proc.returncode, out
 
 
@@ -100,12 +76,12 @@ def test_sigterm_checkpoints_the_step_in_progress_and_a_second_launch_changes_no
     (ray_tmp / "ray_current_cluster").write_text("127.0.0.1:1\n")
     env = {**os.environ, "RAY_TMPDIR": str(ray_tmp)}
     env.pop("RAY_ADDRESS", None)
-    run = _cli(tmp_path, "trainer.num_steps=40", "trainer.seed=1", env=env)
-    _wait_for_steps(run, run_dir, 2)
+    run = _cli(tmp_path, "trainer.num_steps=400", "trainer.seed=1", env=env)
+    wait_for_steps(run, run_dir, 2)
 
     # Same directory, another seed: refused before anything is written or started.
     config_before = (run_dir / "config.yaml").read_text()
-    second = _cli(tmp_path, "trainer.num_steps=40", "trainer.seed=2")
+    second = _cli(tmp_path, "trainer.num_steps=400", "trainer.seed=2")
     out, _ = second.communicate(timeout=120)
     assert second.returncode == 2, out
     assert f"error: the run directory {run_dir} is in use by another run (pid {run.pid} on host" in out, out
@@ -115,7 +91,7 @@ def test_sigterm_checkpoints_the_step_in_progress_and_a_second_launch_changes_no
 
     code, out = _stop(run, signal.SIGTERM)
     assert code == 3, out
-    stopped = _steps(run_dir)
+    stopped = logged_steps(run_dir)
     last = stopped[-1]
     assert stopped == list(range(1, last + 1)) and last >= 2
     assert f"stopped: SIGTERM after step {last} (checkpoint {run_dir / 'checkpoints' / f'step_{last:06d}'})" in out
@@ -124,23 +100,23 @@ def test_sigterm_checkpoints_the_step_in_progress_and_a_second_launch_changes_no
 
     rerun = _cli(tmp_path, f"trainer.num_steps={last + 2}", env=env)
     _finish(rerun)
-    assert _steps(run_dir) == list(range(1, last + 3)), "every step once: none lost, none repeated"
+    assert logged_steps(run_dir) == list(range(1, last + 3)), "every step once: none lost, none repeated"
 
 
 def test_sigint_stops_the_one_step_off_loop_and_a_second_signal_aborts(tmp_path):
     run_dir = tmp_path / "tiny_cpu"
-    run = _cli(tmp_path, "trainer.num_steps=40", *ASYNC)
-    _wait_for_steps(run, run_dir, 2)
+    run = _cli(tmp_path, "trainer.num_steps=400", *ASYNC)
+    wait_for_steps(run, run_dir, 2)
     code, out = _stop(run, signal.SIGINT)
     assert code == 3, out
-    first = _steps(run_dir)[-1]
+    first = logged_steps(run_dir)[-1]
     assert f"stopped: SIGINT after step {first}" in out and "Traceback" not in out, out
     assert read_latest(run_dir / "checkpoints").name == f"step_{first:06d}"
 
     # Resumed, then two signals back to back (two kinds: pending signals of one kind merge;
     # the lower number is handled first): the second ends the run where it stands.
-    again = _cli(tmp_path, "trainer.num_steps=40", *ASYNC)
-    _wait_for_steps(again, run_dir, first + 2)
+    again = _cli(tmp_path, "trainer.num_steps=400", *ASYNC)
+    wait_for_steps(again, run_dir, first + 2)
     code, out = _stop(again, signal.SIGUSR1, signal.SIGTERM)
     assert code == 128 + signal.SIGTERM, out
     assert "error: aborted by a second stop signal (SIGTERM)" in out and "Traceback" not in out, out
@@ -150,15 +126,15 @@ def test_sigint_stops_the_one_step_off_loop_and_a_second_signal_aborts(tmp_path)
 
     final = _cli(tmp_path, f"trainer.num_steps={first + 3}", *ASYNC)
     _finish(final)
-    assert _steps(run_dir) == list(range(1, first + 4)), "every step once: none lost, none repeated"
+    assert logged_steps(run_dir) == list(range(1, first + 4)), "every step once: none lost, none repeated"
 
 
 def test_a_dead_actor_rank_is_one_error_line_and_its_clean_up_goes_to_the_log(tmp_path):
     run_dir = tmp_path / "tiny_cpu"
-    run = _cli(tmp_path, "trainer.num_steps=40")
-    _wait_for_steps(run, run_dir, 2)
+    run = _cli(tmp_path, "trainer.num_steps=400")
+    wait_for_steps(run, run_dir, 2)
     tree = descendants({run.pid})
-    actor = next(pid for pid in tree if _cmdline(pid).startswith("ray::ActorWorker"))
+    actor = next(pid for pid in tree if cmdline(pid).startswith("ray::ActorWorker"))
     os.kill(actor, signal.SIGKILL)
     out, _ = run.communicate(timeout=300)
     assert run.returncode == 1, out
@@ -166,20 +142,17 @@ def test_a_dead_actor_rank_is_one_error_line_and_its_clean_up_goes_to_the_log(tm
     assert len(errors) == 1 and "a process of the run died" in errors[0], out
     assert "rerun the same command to resume" in errors[0]
     assert "Traceback" not in out, out
-    ended = time.monotonic()
-    while _alive(tree) and time.monotonic() - ended < 15:
-        time.sleep(0.2)
-    assert not _alive(tree), _alive(tree)
+    assert not wait_tree_gone(tree)
     log = (run_dir / "logs" / "driver.log").read_text()
     assert "Traceback" in log and "clean-up failed" in log  # the details are kept, off the screen
 
 
 def test_a_hung_actor_rank_ends_the_run_after_the_call_timeout_naming_it(tmp_path):
     run_dir = tmp_path / "tiny_cpu"
-    run = _cli(tmp_path, "trainer.num_steps=40", "actor.call_timeout_s=45")
-    _wait_for_steps(run, run_dir, 2)
+    run = _cli(tmp_path, "trainer.num_steps=400", "actor.call_timeout_s=45")
+    wait_for_steps(run, run_dir, 2)
     tree = descendants({run.pid})
-    actor = next(pid for pid in tree if _cmdline(pid).startswith("ray::ActorWorker"))
+    actor = next(pid for pid in tree if cmdline(pid).startswith("ray::ActorWorker"))
     os.kill(actor, signal.SIGSTOP)  # alive, silent: no error ever comes back from it
     stopped = time.monotonic()
     try:
@@ -192,10 +165,7 @@ def test_a_hung_actor_rank_ends_the_run_after_the_call_timeout_naming_it(tmp_pat
     assert len(errors) == 1, out
     assert "actor rank(s) [0] did not finish" in errors[0] and "within 45 s (actor.call_timeout_s)" in errors[0]
     assert "Traceback" not in out and time.monotonic() - stopped < 150, out
-    ended = time.monotonic()
-    while _alive(tree) and time.monotonic() - ended < 15:
-        time.sleep(0.2)
-    assert not _alive(tree), _alive(tree)
+    assert not wait_tree_gone(tree)
 
 
 def test_a_checkpoint_that_fills_the_disk_is_named_as_such(tmp_path):
@@ -215,6 +185,6 @@ def test_a_checkpoint_that_fills_the_disk_is_named_as_such(tmp_path):
                "step_000002" in errors[0], out  # fmt: skip
         assert "Traceback" not in out, out
         assert not any(checkpoints.glob(".step_*")) and not any(checkpoints.glob("step_*"))
-        assert _steps(mount / "tiny_cpu") == [1, 2]  # the metrics of the steps that ran are whole
+        assert logged_steps(mount / "tiny_cpu") == [1, 2]  # the metrics of the steps that ran are whole
     finally:
         subprocess.run(["umount", "-l", str(mount)], check=True)

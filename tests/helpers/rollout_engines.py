@@ -20,7 +20,8 @@ class FaultOnce:
 
     The file's content picks the fault: ``exit`` ends the process (``os._exit``), ``hang``
     blocks forever (a stuck kernel, as far as the pool can tell), in the next ``generate``;
-    ``sleep:exit`` and ``sleep:hang`` do the same in the next ``sleep``. Every engine of
+    ``sleep:exit`` and ``sleep:hang`` do the same in the next ``sleep``, ``load:exit`` and
+    ``load:hang`` while loading the next weight bucket of a sync. Every engine of
     a pool shares the file, so exactly one engine fails per arming: the one that renames
     it first (``os.rename`` is atomic). Ray then restarts the actor, whose constructor
     finds no ``arm_file`` and serves normally. Mixed into a real engine class (below).
@@ -54,6 +55,10 @@ class FaultOnce:
     def sleep(self) -> None:
         self._fire("sleep")
         return super().sleep()
+
+    def _load_host(self, named_tensors):
+        self._fire("load")
+        return super()._load_host(named_tensors)
 
 
 class FaultOnceEngine(FaultOnce, HFEngine):

@@ -34,12 +34,23 @@ VARIANTS = {
     "llama": ("LlamaConfig", dict(num_key_value_heads=2, tie_word_embeddings=False, rope_theta=500_000.0)),
 }
 
+_MOE = dict(num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+
+MOE_VARIANTS = {
+    # Every layer a mixture of 4 SwiGLU experts of width 32, top-2, weights renormalised.
+    "qwen3_moe": ("Qwen3MoeConfig", dict(_MOE, norm_topk_prob=True, tie_word_embeddings=False)),
+    # The same with the top-2 softmax weights used as they are, and tied embeddings.
+    "qwen3_moe_tied": ("Qwen3MoeConfig", dict(_MOE, norm_topk_prob=False, tie_word_embeddings=True)),
+}
+"""Mixture-of-experts variants, kept apart from :data:`VARIANTS` (which the dense
+conversion tests run through the converter); ``build_*`` take both."""
+
 
 def build_config(variant: str, **overrides):
-    """The transformers config of ``variant`` (see :data:`VARIANTS`)."""
+    """The transformers config of ``variant`` (see :data:`VARIANTS` and :data:`MOE_VARIANTS`)."""
     import transformers
 
-    class_name, extra = VARIANTS[variant]
+    class_name, extra = (VARIANTS | MOE_VARIANTS)[variant]
     return getattr(transformers, class_name)(**{**COMMON, **extra, **overrides})
 
 

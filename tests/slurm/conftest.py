@@ -15,6 +15,7 @@ import os
 import re
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,17 +47,32 @@ class LocalSlurm:
     """Environment for Slurm clients and jobs: SLURM_CONF, and this interpreter's
     directory first on PATH so jobs run the same ``megatron-rl``."""
 
-    def submit_and_wait(self, *args: str, env: dict[str, str] | None = None, timeout_s: int = 300) -> Job:
-        """``sbatch_wait.sh ARGS`` (submit, poll until the job ends); the job's outcome."""
-        proc = subprocess.run(
+    def submit_and_wait(
+        self, *args: str, env: dict[str, str] | None = None, timeout_s: int = 300,
+        while_running: Callable[[str], None] | None = None,
+    ) -> Job:  # fmt: skip
+        """``sbatch_wait.sh ARGS`` (submit, poll until the job ends); the job's outcome.
+        ``while_running(job_id)`` is called once the job is submitted (before it ends)."""
+        proc = subprocess.Popen(
             [str(LOCAL / "sbatch_wait.sh"), *args],
             env={**self.env, **(env or {}), "SBATCH_WAIT_TIMEOUT": str(timeout_s)},
-            capture_output=True, text=True, timeout=timeout_s + 30,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )  # fmt: skip
-        match = re.search(r"job (\d+) (\S+) exit=(\d+) stdout=(\S*)", proc.stderr)
-        assert match, f"sbatch_wait.sh gave no job summary (rc {proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
-        job_id, state, code, out = match.groups()
-        stdout = Path(out).read_text() if out and Path(out).is_file() else ""
+        try:
+            first = proc.stderr.readline()
+            if while_running is not None:
+                submitted = re.search(r"submitted job (\d+)", first)
+                assert submitted, f"sbatch_wait.sh did not submit: {first}"
+                while_running(submitted.group(1))
+            out, err = proc.communicate(timeout=timeout_s + 30)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        err = first + err
+        match = re.search(r"job (\d+) (\S+) exit=(\d+) stdout=(\S*)", err)
+        assert match, f"sbatch_wait.sh gave no job summary (rc {proc.returncode}):\n{out}\n{err}"
+        job_id, state, code, stdout_path = match.groups()
+        stdout = Path(stdout_path).read_text() if stdout_path and Path(stdout_path).is_file() else ""
         return Job(job_id=job_id, state=state, exit_code=int(code), stdout=stdout, wait_rc=proc.returncode)
 
 

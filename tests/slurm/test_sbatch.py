@@ -12,13 +12,16 @@ import json
 import os
 import re
 import shutil
+import subprocess
 import tempfile
 import time
 from pathlib import Path
 
 import pytest
 
+from megatron_rl.storage.checkpoints import read_latest
 from tests.e2e.conftest import tiny_overrides
+from tests.helpers.runs import logged_steps
 from tests.slurm.conftest import ROOT, SLURM_DIR
 
 EXAMPLE = ROOT / "examples" / "tiny_cpu.yaml"
@@ -123,6 +126,31 @@ def test_trainer_failure_fails_the_job(local_slurm, tmp_path, ray_env):
     assert ":21000; workers on" in job.stdout  # the GCS port follows the fixed base
     assert str(missing) in job.stdout
     assert "all 2 Ray nodes are alive" in job.stdout
+    assert "Ray stopped" in job.stdout
+
+
+def test_slurms_early_warning_stops_the_run_with_a_checkpoint(local_slurm, tmp_path, ray_env):
+    """``--signal=B:USR1@300``: Slurm signals the batch shell only; the script forwards it to
+    the driver, which finishes its step, checkpoints it and exits 3; Ray is stopped."""
+    run_dir = tmp_path / "runs" / "slurm"
+
+    def warn_when_two_steps_are_logged(job_id: str) -> None:
+        deadline = time.monotonic() + 400
+        while not ((run_dir / "metrics.jsonl").exists() and len(logged_steps(run_dir)) >= 2):
+            assert time.monotonic() < deadline, "the job logged no two steps"
+            time.sleep(0.2)
+        subprocess.run(["scancel", "--batch", "--signal=USR1", job_id], env=local_slurm.env, check=True)
+
+    job = local_slurm.submit_and_wait(
+        *sbatch_args(tmp_path, "train.sbatch"), str(EXAMPLE),
+        *train_overrides(tmp_path, "trainer.num_steps=400", "trainer.save_every_steps=0"), env=ray_env,
+        timeout_s=600, while_running=warn_when_two_steps_are_logged,
+    )  # fmt: skip
+    last = logged_steps(run_dir)[-1]
+    assert (job.state, job.exit_code) == ("FAILED", 3), job.stdout[-6000:]
+    assert f"stopped: SIGUSR1 after step {last} (checkpoint" in job.stdout, job.stdout[-6000:]
+    assert read_latest(run_dir / "checkpoints").name == f"step_{last:06d}"
+    assert logged_steps(run_dir) == list(range(1, last + 1)) and last < 400
     assert "Ray stopped" in job.stdout
 
 

@@ -80,3 +80,26 @@ def test_the_error_crosses_process_boundaries_whole():
     error = DiskFullError("/runs/x/checkpoints", "the checkpoint step_000002")
     again = pickle.loads(pickle.dumps(error))
     assert type(again) is DiskFullError and str(again) == str(error) and again.errno == errno.ENOSPC
+
+
+def test_a_full_disk_at_start_is_refused_before_anything_starts(tmp_path, capsys):
+    """A full file system passes the write test (an empty file needs no block): the
+    pre-flight checks the free space too, and the CLI exits 2 naming the field."""
+    from megatron_rl.cli import main
+    from tests.e2e.conftest import EXAMPLE, tiny_overrides
+
+    mount = tmp_path / "small"
+    if not _mount_tmpfs(mount, 1 << 20):
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        with open(mount / "filler", "wb") as f:
+            with pytest.raises(OSError):
+                while True:
+                    f.write(b"\0" * (64 << 10))
+                    f.flush()
+        assert main(["train", str(EXAMPLE), *tiny_overrides(mount / "out"), "--dry-run"]) == 2
+        error = capsys.readouterr().err
+        assert f"error: config field 'trainer.output_dir': the file system of {mount} is full (0 KiB free" in error
+        assert not (mount / "out").exists()
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=True)

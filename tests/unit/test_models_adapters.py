@@ -29,10 +29,10 @@ from tests.helpers.tiny_hf import VARIANTS, VOCAB, build_config, build_model
 
 
 def test_registry_dispatches_by_model_type():
-    assert supported_model_types() == ["llama", "qwen2", "qwen3"]
+    assert supported_model_types() == ["llama", "qwen2", "qwen3", "qwen3_moe"]
     for model_type in supported_model_types():
         assert get_adapter(model_type).model_type == model_type
-    with pytest.raises(ConversionError, match=r"unsupported model_type 'mistral'; supported: llama, qwen2, qwen3"):
+    with pytest.raises(ConversionError, match=r"unsupported model_type 'mistral'; supported: llama, qwen2, qwen3, qwen3_moe"):
         get_adapter("mistral")
     with pytest.raises(ValueError, match="already registered"):
         register_adapter(DecoderAdapter(model_type="qwen2", qk_norm=False, qkv_bias=lambda cfg: False))
@@ -42,11 +42,12 @@ def test_registry_is_the_generic_one_and_names_hf_architectures():
     import transformers
 
     assert ADAPTERS.names() == supported_model_types()
-    with pytest.raises(UnknownNameError, match="unknown model type 'mistral'; registered: llama, qwen2, qwen3"):
+    with pytest.raises(UnknownNameError, match="unknown model type 'mistral'; registered: llama, qwen2, qwen3, qwen3_moe"):
         ADAPTERS.get("mistral")
     with pytest.raises(UnknownNameError):  # get_adapter's error is both a ConversionError and this
         get_adapter("mistral")
-    expected = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+    expected = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                "qwen3_moe": "Qwen3MoeForCausalLM"}
     for model_type, architecture in expected.items():
         assert get_adapter(model_type).architecture == architecture
         assert hasattr(transformers, architecture)

@@ -199,3 +199,27 @@ logging.getLogger("megatron_rl.pool").warning("ours: a pool warning")
         assert line in screen and line in text, line
     for line in ("theirs: Apex is not installed", "theirs: token notice"):
         assert line not in screen and line in text, line
+
+
+def test_a_workers_library_errors_stay_in_its_file(tmp_path):
+    """A Ray worker's log (``setup_worker_logging``): the project's warnings reach stderr, a
+    library's error only the file (the failure reaches the driver as the call's exception)."""
+    import os
+    import subprocess
+    import sys
+
+    from megatron_rl.observability.run_log import LOG_DIR_ENV
+
+    code = """
+import logging
+from megatron_rl.observability.run_log import setup_worker_logging
+setup_worker_logging()
+logging.getLogger("megatron.core.dist_checkpointing").error("theirs: no space left")
+logging.getLogger("megatron_rl.actor").warning("ours: a warning")
+"""
+    env = {**os.environ, LOG_DIR_ENV: str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr
+    (log,) = tmp_path.glob("worker-*.log")
+    assert "ours: a warning" in proc.stderr and "ours: a warning" in log.read_text()
+    assert "theirs: no space left" not in proc.stderr and "theirs: no space left" in log.read_text()

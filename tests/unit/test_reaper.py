@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from megatron_rl.cli import reaper
+from megatron_rl.cluster.processes import process_start_time
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 
@@ -40,16 +41,16 @@ def test_a_killed_drivers_processes_die_within_seconds():
     driver = subprocess.Popen([sys.executable, "-c", _DRIVER], stdout=subprocess.PIPE, text=True)
     try:
         pids = [int(p) for p in driver.stdout.readline().split()]
-        started = {p: reaper.process_start_time(p) for p in pids[1:]}
+        started = {p: process_start_time(p) for p in pids[1:]}
         assert all(started.values())
         time.sleep(2.5)  # the reaper looks once a second
     finally:
         driver.send_signal(signal.SIGKILL)
         driver.wait()
     deadline = time.monotonic() + 10.0
-    while time.monotonic() < deadline and any(reaper.process_start_time(p) == s for p, s in started.items()):
+    while time.monotonic() < deadline and any(process_start_time(p) == s for p, s in started.items()):
         time.sleep(0.1)
-    alive = [p for p, s in started.items() if reaper.process_start_time(p) == s]
+    alive = [p for p, s in started.items() if process_start_time(p) == s]
     assert not alive, f"still alive 10 s after the driver was killed: {alive}"
     left = Path(f"/dev/shm/megatron_rl_test_{pids[1]}_{pids[0]}")
     while time.monotonic() < deadline and left.exists():
@@ -74,4 +75,4 @@ def test_descendants_follow_the_parent_links():
 
 def test_a_reused_pid_is_not_signalled():
     me = os.getpid()
-    assert reaper._signal_all({me: reaper.process_start_time(me) + 1}, signal.SIGTERM) == 0
+    assert reaper._signal_all({me: process_start_time(me) + 1}, signal.SIGTERM) == 0

@@ -263,6 +263,14 @@ def _check_hf_tensors(reader: SafetensorsReader, units: list[WeightUnit], adapte
         )
 
 
+def _convertible_adapter(cfg: dict) -> DecoderAdapter:
+    """The adapter of ``cfg``'s ``model_type``, refused when the converter cannot handle it yet."""
+    adapter = adapter_for_config(cfg)
+    if adapter.not_yet:
+        raise ConversionError(f"model_type {adapter.model_type!r} cannot be converted: {adapter.not_yet}")
+    return adapter
+
+
 def hf_to_mcore(options: HfToMcoreOptions) -> ConversionSummary:
     """Convert an HF safetensors checkpoint into a megatron-core torch_dist checkpoint."""
     from megatron_rl.models.convert.mcore_io import write_checkpoint
@@ -270,7 +278,7 @@ def hf_to_mcore(options: HfToMcoreOptions) -> ConversionSummary:
     start = time.perf_counter()
     hf_dir = Path(options.hf_dir)
     cfg = read_config(hf_dir)
-    adapter = adapter_for_config(cfg)
+    adapter = _convertible_adapter(cfg)
     dims = adapter.dims(cfg)
     vocab = padded_vocab_size(dims.vocab_size, tp_size=options.tp, divisible_by=options.make_vocab_size_divisible_by)
     _check_parallel(dims, options.tp, options.pp, vocab)
@@ -378,7 +386,7 @@ def mcore_to_hf(options: McoreToHfOptions) -> ConversionSummary:
     if not (cfg_dir / "config.json").is_file():
         raise ConversionError(f"no HF config.json in {cfg_dir}; pass --hf-config DIR")
     cfg = read_config(cfg_dir)
-    adapter = adapter_for_config(cfg)
+    adapter = _convertible_adapter(cfg)
     dims = adapter.dims(cfg)
     # The stored padding depends on the TP size the checkpoint was written at; any >= V is fine.
     stored = reader.tensors.get("embedding.word_embeddings.weight")

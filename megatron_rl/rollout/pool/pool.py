@@ -391,14 +391,15 @@ class RolloutPool:
         # The previous sync's buckets are no longer what a restarted engine should get
         # (this sync's are, at the end); dropping them now keeps one model copy at most.
         self._restore_refs, self._restore_metas = [], []
-        failed: set[int] = set()
+        failed: set[int] = set()  # died or hung: no more buckets; brought back at the end
+        hung: set[int] = set()
         put_seconds = 0.0
         refs: list[ray.ObjectRef] = []
         inflight: list[list[tuple[int, ray.ObjectRef]]] = []
         try:
             for bucket in buckets:
                 while len(inflight) >= self.config.pool.max_inflight_buckets:
-                    self._wait_loads(inflight.pop(0), failed, version)
+                    self._wait_loads(inflight.pop(0), failed, hung, version)
                 t0 = time.perf_counter()
                 ref = ray.put(bucket) if isinstance(bucket, WeightBucket) else bucket
                 del bucket  # the object store holds the only copy from here on
@@ -406,25 +407,35 @@ class RolloutPool:
                 inflight.append([(i, self.actors[i].load_bucket.remote(ref)) for i in targets if i not in failed])
                 refs.append(ref)
             for loads in inflight:
-                self._wait_loads(loads, failed, version)
+                self._wait_loads(loads, failed, hung, version)
         except BaseException:
             self.abort_update([i for i in targets if i not in failed])
             raise
         self.commit_update(version, [i for i in targets if i not in failed])
         self._restore_refs, self._restore_metas = list(refs), list(metas)
-        self._recover_all(failed)
+        self._recover_all(failed - hung)
+        if hung:
+            self.restart(hung)
         if not self.config.pool.keep_weights_for_restart:
             self._restore_refs, self._restore_metas = [], []
         return sync_stats(time.perf_counter() - start, put_seconds=put_seconds, metas=metas, num_buckets=len(refs),
                           num_engines=self.num_engines, version=version)  # fmt: skip
 
-    def _wait_loads(self, loads: list[tuple[int, Any]], failed: set[int], version: int) -> None:
-        """Wait for one bucket's loads; an engine that died is brought back at the end."""
+    def _wait_loads(self, loads: list[tuple[int, Any]], failed: set[int], hung: set[int], version: int) -> None:
+        """Wait for one bucket's loads; an engine that died, or hangs for ``weight_sync_timeout_s``
+        (it is restarted), is brought back at the end."""
         import ray
 
         for engine, ref in loads:
+            if engine in failed:  # hung on an earlier bucket: its later loads wait behind it
+                continue
             try:
-                ray.get(ref)
+                ray.get(ref, timeout=self.config.pool.weight_sync_timeout_s)
+            except ray.exceptions.GetTimeoutError:
+                logger.warning("%s loaded no bucket in weight_sync_timeout_s=%g; it is restarted at the end",
+                               self.engine_names[engine], self.config.pool.weight_sync_timeout_s)  # fmt: skip
+                failed.add(engine)
+                hung.add(engine)
             except actor_errors() as exc:
                 logger.warning("%s died during a weight sync (%s); it is restored at the end", self.engine_names[engine],
                                exc)  # fmt: skip
