@@ -3,12 +3,13 @@
 ::
 
     megatron-rl convert hf-to-mcore --hf /ckpt/Qwen2.5-7B-Instruct --out /ckpt/q7b-mcore --tp 4 --pp 1
+    megatron-rl convert hf-to-mcore --hf /ckpt/Qwen3-30B-A3B --out /ckpt/q30b-mcore --tp 2 --ep 8
     megatron-rl convert mcore-to-hf --mcore /ckpt/q7b-mcore --out /ckpt/q7b-hf [--hf-config DIR]
 
 The command line over :mod:`megatron_rl.models.convert.hf_mcore` (which the module doc there
 explains: layouts, streaming, atomic output). ``--tp`` only chooses the vocabulary padding
-and, with ``--pp``, what the model's head, group and layer counts are checked against:
-the checkpoint loads at any TP/PP. ``tools/convert_hf_to_mcore.py`` and
+and, with ``--pp`` and ``--ep``, what the model's head, group, layer and expert counts are
+checked against: the checkpoint loads at any TP/PP/EP. ``tools/convert_hf_to_mcore.py`` and
 ``tools/convert_mcore_to_hf.py`` reuse the argument helpers here. Bad input is exit code 1
 with ``error: ...`` (naming the file and tensor) on stderr, and so is a full disk (the
 partial output is removed); a :class:`~megatron_rl.models.convert.hf_mcore.ConversionWarning` (e.g.
@@ -53,6 +54,12 @@ def add_hf_to_mcore_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size to pad the vocabulary for (default 1)")
     parser.add_argument(
         "--pp", type=int, default=1, help="pipeline-parallel size to check the layer count against (default 1)"
+    )
+    parser.add_argument(
+        "--ep",
+        type=int,
+        default=1,
+        help="expert-parallel size to check the number of experts against (mixture-of-experts models; default 1)",
     )
     parser.add_argument(
         "--make-vocab-size-divisible-by",
@@ -134,6 +141,7 @@ def _convert(args: argparse.Namespace):
                     out_dir=args.out,
                     tp=args.tp,
                     pp=args.pp,
+                    ep=args.ep,
                     make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
                     dtype=args.dtype,
                 )

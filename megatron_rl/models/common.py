@@ -195,9 +195,8 @@ class DecoderAdapter:
     """The HF ``architectures`` class name of this ``model_type`` (``Qwen2ForCausalLM``), for
     a ``config.json`` written without one; ``None`` when the adapter does not say."""
     not_yet: str | None = None
-    """What the rest of the pipeline (the actor, ``megatron-rl convert``, weight sync) cannot
-    do with this architecture yet, said by the pre-flight and the converter when they refuse
-    it; ``None``: nothing."""
+    """What training (the actor, weight sync, the engines) cannot do with this architecture
+    yet, said by the pre-flight when it refuses the run; ``None``: nothing."""
 
     hf_to_mcore = staticmethod(hf_to_mcore)
     mcore_to_hf = staticmethod(mcore_to_hf)

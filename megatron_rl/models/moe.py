@@ -212,7 +212,9 @@ class MoEDecoderAdapter(DecoderAdapter):
         ``allgather`` without: megatron-core 0.16.1's all-to-all dispatcher creates a
         ``torch.cuda.Stream`` for its device-to-host copies when it is built, which a
         CPU-only torch refuses, while the all-gather one calls no CUDA API at expert
-        parallelism 1. (megatron rejects ``allgather`` with ``variable_seq_lengths``.)
+        parallelism 1 (and a forward at expert parallelism 2 runs on gloo under the CPU
+        shim: tests/distributed/test_convert_moe.py). (megatron rejects ``allgather`` with
+        ``variable_seq_lengths``.)
         """
         m = self.moe_dims(hf_config)
         if use_te is None:
@@ -286,6 +288,8 @@ class MoEDecoderAdapter(DecoderAdapter):
         Expert units carry the global expert index ``expert=j`` and ``num_experts=E``;
         their ``mcore_name`` uses j as the local index, which holds at expert parallelism 1
         (with EP, rank r holds experts ``r*E/EP .. (r+1)*E/EP - 1`` as ``local_experts.0..``).
+        The dist-checkpoint does not depend on EP: expert j of layer i is element ``[i, j]``
+        of ``sharded_key`` (:func:`~megatron_rl.models.weight_units.checkpoint_region`).
         """
         m = self.moe_dims(hf_config)
         H, E, F = d.hidden_size, m.num_moe_experts, m.moe_ffn_hidden_size

@@ -50,6 +50,13 @@ Mixture-of-experts layers (:mod:`megatron_rl.models.moe`; ``E`` experts of width
 ``decoder.layers.i.mlp.experts.local_experts`` (fc1 ``[2 F_e, H]``, fc2 ``[H, F_e]``).
 The pre-MLP norm of a MoE layer keeps its own name: there is no ``linear_fc1`` to fuse
 it into, and megatron-core's Transformer-Engine spec checkpoints it under that name.
+
+In the dist-checkpoint (:func:`checkpoint_region`) the experts of every layer share one key
+per projection, ``decoder.layers.mlp.experts.experts.linear_fc1.weight`` (and ``linear_fc2``),
+of global shape ``(num_layers, E, *mcore_shape)``: megatron-core's ``SequentialMLP`` and
+``TEGroupedMLP`` both put local expert ``l`` of expert-parallel rank ``r`` at global index
+``j = r * E / EP + l`` on an expert axis after the layer axis, so the checkpoint does not
+depend on EP (nor, as above, on TP).
 """
 
 from __future__ import annotations
@@ -65,6 +72,7 @@ __all__ = [
     "ConversionError",
     "WeightUnit",
     "canonical_mcore_name",
+    "checkpoint_region",
     "fuse_qkv",
     "hf_to_mcore",
     "index_by_mcore_name",
@@ -225,3 +233,26 @@ def mcore_to_hf(unit: WeightUnit, tensor: torch.Tensor) -> list[tuple[str, torch
 def index_by_mcore_name(units: Iterable[WeightUnit]) -> dict[str, WeightUnit]:
     """``{unit.mcore_name: unit}``; look names up through :func:`canonical_mcore_name`."""
     return {u.mcore_name: u for u in units}
+
+
+def checkpoint_region(unit: WeightUnit, num_layers: int) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """``(global shape, offsets, sizes)`` of ``unit``'s tensor under ``unit.sharded_key`` in
+    megatron-core's dist-checkpoint of a ``num_layers``-layer GPTModel.
+
+    Embedding, final norm and output layer: the whole tensor. A decoder-layer unit: row
+    ``layer`` of ``(num_layers, *mcore_shape)``. An expert unit: element ``[layer, expert]``
+    of ``(num_layers, num_experts, *mcore_shape)``. The region's sizes are 1 on the
+    leading (layer, expert) axes and ``mcore_shape`` after them.
+    """
+    shape = tuple(unit.mcore_shape)
+    if unit.layer is None:
+        return shape, (0,) * len(shape), shape
+    if not 0 <= unit.layer < num_layers:
+        raise ConversionError(f"'{unit.mcore_name}': layer {unit.layer} is outside [0, {num_layers})")
+    leading, index = (num_layers,), (unit.layer,)
+    if unit.expert is not None:
+        if not 0 <= unit.expert < unit.num_experts:
+            raise ConversionError(f"'{unit.mcore_name}': expert {unit.expert} is outside [0, {unit.num_experts})")
+        leading, index = (num_layers, unit.num_experts), (unit.layer, unit.expert)
+    ones = (1,) * len(leading)
+    return (*leading, *shape), (*index, *(0,) * len(shape)), (*ones, *shape)

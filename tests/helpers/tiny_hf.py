@@ -88,3 +88,19 @@ def save_tokenizer(directory: Path) -> None:
     tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
     PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>").save_pretrained(directory)
+
+
+def round_trip_through_units(adapter, cfg, hf: dict[str, torch.Tensor], *, padded_vocab_size: int = 256) -> dict:
+    """Every tensor of ``hf`` through ``adapter``'s weight units, HF -> Megatron -> HF;
+    checks the units cover each HF tensor once and each Megatron tensor has its unit's
+    shape. Returns ``{mcore_name: Megatron tensor}`` and the restored HF tensors."""
+    units = adapter.weight_units(cfg, padded_vocab_size=padded_vocab_size)
+    covered = [name for unit in units for name in unit.hf_names]
+    assert sorted(covered) == sorted(hf), "units must cover every HF tensor exactly once"
+    mcore, restored = {}, {}
+    for unit in units:
+        full = adapter.hf_to_mcore(unit, {name: hf[name] for name in unit.hf_names})
+        assert tuple(full.shape) == unit.mcore_shape, unit.mcore_name
+        mcore[unit.mcore_name] = full
+        restored.update(adapter.mcore_to_hf(unit, full))
+    return mcore, restored

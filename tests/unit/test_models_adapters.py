@@ -25,7 +25,7 @@ from megatron_rl.models import (
 )
 from megatron_rl.models.registry import ADAPTERS
 from megatron_rl.models.weight_units import fuse_qkv, split_qkv
-from tests.helpers.tiny_hf import VARIANTS, VOCAB, build_config, build_model
+from tests.helpers.tiny_hf import VARIANTS, VOCAB, build_config, build_model, round_trip_through_units
 
 
 def test_registry_dispatches_by_model_type():
@@ -97,17 +97,10 @@ def test_every_hf_tensor_round_trips_through_units(variant):
     hf = {name: t.detach().clone() for name, t in model.state_dict().items()}
     if cfg.tie_word_embeddings:
         hf.pop("lm_head.weight")  # tied: saved once, as the embedding
-    units = adapter.weight_units(cfg, padded_vocab_size=256)
-    covered = [name for unit in units for name in unit.hf_names]
-    assert sorted(covered) == sorted(hf), "units must cover every HF tensor exactly once"
-
-    restored = {}
-    for unit in units:
-        full = adapter.hf_to_mcore(unit, {name: hf[name] for name in unit.hf_names})
-        assert tuple(full.shape) == unit.mcore_shape
+    mcore, restored = round_trip_through_units(adapter, cfg, hf)
+    for unit in adapter.weight_units(cfg, padded_vocab_size=256):
         if unit.kind == "vocab":
-            assert full.shape[0] == 256 and torch.count_nonzero(full[VOCAB:]) == 0
-        restored.update(adapter.mcore_to_hf(unit, full))
+            assert mcore[unit.mcore_name].shape[0] == 256 and torch.count_nonzero(mcore[unit.mcore_name][VOCAB:]) == 0
     assert all(torch.equal(restored[name], hf[name]) for name in hf)
 
 

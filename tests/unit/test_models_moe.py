@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 from megatron_rl.models import ConversionError, adapter_for_config, get_adapter, index_by_mcore_name
 from megatron_rl.models.moe import MoEDecoderAdapter
 from tests.dist_utils import run_on_ranks
-from tests.helpers.tiny_hf import MOE_VARIANTS, VOCAB, build_config, save_model
+from tests.helpers.tiny_hf import MOE_VARIANTS, VOCAB, build_config, round_trip_through_units, save_model
 
 BATCH, SEQ = 2, 12
 
@@ -149,14 +149,7 @@ def test_missing_router_fields_take_transformers_defaults():
 def test_every_hf_tensor_round_trips_through_units(variant, hf_dirs):
     cfg, hf = _saved(hf_dirs[variant])
     adapter = adapter_for_config(cfg)
-    units = adapter.weight_units(cfg, padded_vocab_size=256)
-    covered = [name for unit in units for name in unit.hf_names]
-    assert sorted(covered) == sorted(hf), "units must cover every saved HF tensor exactly once"
-    restored = {}
-    for unit in units:
-        full = adapter.hf_to_mcore(unit, {name: hf[name] for name in unit.hf_names})
-        assert tuple(full.shape) == unit.mcore_shape
-        restored.update(adapter.mcore_to_hf(unit, full))
+    _, restored = round_trip_through_units(adapter, cfg, hf)
     assert all(torch.equal(restored[name], hf[name]) for name in hf)
 
 
@@ -314,18 +307,19 @@ def test_unit_keys_are_the_gpt_models_checkpoint_keys(variant, megatron, hf_dirs
     assert keys["decoder.layers.mlp.experts.experts.linear_fc2.weight"] == (2, 4, 64, 32)
 
 
-def test_training_and_conversion_refuse_moe_until_the_pipeline_handles_it(hf_dirs, tmp_path):
-    """The adapter maps MoE models; the actor, the converter and weight sync do not yet:
-    the pre-flight and ``convert`` say so instead of failing deep inside."""
+def test_training_refuses_moe_until_the_actor_handles_it_and_conversion_does_not(hf_dirs, tmp_path):
+    """The adapter maps MoE models and ``megatron-rl convert`` handles their checkpoints
+    (tests/distributed/test_convert_moe.py); the actor and weight sync do not yet: the
+    pre-flight says so instead of failing deep inside."""
     from megatron_rl.config.lib import ConfigError
     from megatron_rl.loop.preflight import preflight
-    from megatron_rl.models.convert.hf_mcore import HfToMcoreOptions, hf_to_mcore
+    from megatron_rl.models.convert.hf_mcore import ConversionWarning, HfToMcoreOptions, hf_to_mcore
     from tests.e2e.conftest import tiny_config
 
     hf = hf_dirs["qwen3_moe"]
     config = tiny_config(tmp_path, "model.tiny=null", f"model.hf_config={hf}")
     with pytest.raises(ConfigError, match=r"model.hf_config.*model_type 'qwen3_moe' cannot be trained: .*Mixture"):
         preflight(config)
-    with pytest.raises(ConversionError, match="model_type 'qwen3_moe' cannot be converted"):
-        hf_to_mcore(HfToMcoreOptions(hf_dir=hf, out_dir=tmp_path / "mcore"))
-    assert not (tmp_path / "mcore").exists()
+    with pytest.warns(ConversionWarning, match="no tokenizer files"):
+        summary = hf_to_mcore(HfToMcoreOptions(hf_dir=hf, out_dir=tmp_path / "mcore", ep=2))
+    assert summary.model_type == "qwen3_moe" and (tmp_path / "mcore" / "metadata.json").is_file()

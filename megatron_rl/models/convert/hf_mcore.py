@@ -6,19 +6,25 @@
     mcore_to_hf(McoreToHfOptions(mcore_dir=Path("/ckpt/q7b-mcore"), out_dir=Path("/ckpt/q7b-hf")))
 
 The command line over these is ``megatron-rl convert hf-to-mcore|mcore-to-hf``
-(:mod:`megatron_rl.cli.convert`), whose ``--tp``/``--pp`` are the options' ``tp``/``pp``.
+(:mod:`megatron_rl.cli.convert`), whose ``--tp``/``--pp``/``--ep`` are the options'
+``tp``/``pp``/``ep``.
 
 The Megatron side is a megatron-core ``torch_dist`` checkpoint whose keys and global
 shapes are those of ``GPTModel.sharded_state_dict()``, so ``dist_checkpointing.load``
-fills a GPTModel built at *any* TP/PP; ``tp`` only chooses the vocabulary padding
+fills a GPTModel built at *any* TP/PP/EP; ``tp`` only chooses the vocabulary padding
 (rows rounded up to ``make_vocab_size_divisible_by * tp``; other sizes load too,
-megatron-core marks the embedding as ``allow_shape_mismatch``) and ``tp``/``pp`` are
-checked against the model's head, group and layer counts. The HF config, generation
-config and tokenizer files are kept in ``<out>/hf_config/`` for the way back.
+megatron-core marks the embedding as ``allow_shape_mismatch``) and ``tp``/``pp``/``ep``
+are checked against the model's head, group, layer and expert counts. Mixture-of-experts
+models (Qwen3-MoE) convert one expert projection at a time: expert ``j`` of layer ``i``
+is element ``[i, j]`` of its key (:func:`~megatron_rl.models.weight_units.checkpoint_region`).
+The HF config, generation config and tokenizer files are kept in ``<out>/hf_config/`` for
+the way back.
 
-Both directions stream: one HF tensor (or one layer row of one Megatron tensor) is
-in memory at a time, never the model; see docs/conversion.md and
-``benchmarks/convert_memory.py``. Output appears atomically: everything is written
+Both directions stream, never holding the model: hf-to-mcore has one HF tensor (or one
+layer row, or one expert, of one Megatron tensor) in memory at a time; mcore-to-hf reads
+consecutive Megatron tensors together up to the size of the largest one, because each
+read re-reads the checkpoint's metadata (see :func:`_read_batches`, docs/conversion.md and
+``benchmarks/convert_memory.py``). Output appears atomically: everything is written
 into a temporary sibling directory that is renamed into place at the end and removed
 on any error. Bad input raises :class:`ConversionError` naming the file and tensor; so
 does a full disk (checked against the output's size before writing, and ``ENOSPC`` /
@@ -53,8 +59,9 @@ from megatron_rl.models.hf_io import (
     dtype_from_name,
     read_config,
 )
+from megatron_rl.models.moe import MoEDecoderAdapter
 from megatron_rl.models.registry import adapter_for_config
-from megatron_rl.models.weight_units import ConversionError, WeightUnit
+from megatron_rl.models.weight_units import ConversionError, WeightUnit, checkpoint_region
 
 __all__ = [
     "ConversionError",
@@ -94,15 +101,19 @@ class HfToMcoreOptions:
     """Tensor-parallel size the checkpoint is padded and checked for (it loads at any TP)."""
     pp: int = 1
     """Pipeline-parallel size the layer count is checked against (it loads at any PP)."""
+    ep: int = 1
+    """Expert-parallel size the number of experts is checked against (it loads at any EP);
+    a dense model takes only 1."""
     make_vocab_size_divisible_by: int = 128
     """Embedding rows are padded to a multiple of this times ``tp`` (Megatron-LM convention)."""
     dtype: str | None = None
     """Cast every tensor to bf16/fp16/fp32; None keeps the HF dtypes."""
 
     def __post_init__(self) -> None:
-        for name in ("tp", "pp", "make_vocab_size_divisible_by"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("tp", "pp", "ep", "make_vocab_size_divisible_by"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} (--{name.replace('_', '-')}) must be an integer >= 1, got {value!r}")
         if self.dtype is not None:
             dtype_from_name(self.dtype)
 
@@ -207,17 +218,40 @@ def _atomic_output_dir(out_dir: Path, *, needed_bytes: int = 0) -> Iterator[Path
         raise
 
 
-def _check_parallel(dims: ModelDims, tp: int, pp: int, padded_vocab: int) -> None:
+def _check_parallel(adapter: DecoderAdapter, cfg: dict, options: HfToMcoreOptions, padded_vocab: int) -> None:
+    """The model divides among ``options``' TP/PP/EP ranks; the error names the field and the flag.
+
+    Experts are split over ``ep`` ranks and each expert over the expert tensor-parallel
+    size, megatron's default for which is ``tp``; a MoE model has no dense MLP, so its
+    ``intermediate_size`` is not checked.
+    """
+    dims = adapter.dims(cfg)
+    tp, pp, ep = options.tp, options.pp, options.ep
     checks = [
         ("num_attention_heads", dims.num_attention_heads, "tensor", tp),
         ("num_key_value_heads", dims.num_query_groups, "tensor", tp),
-        ("intermediate_size", dims.ffn_hidden_size, "tensor", tp),
         ("padded vocab size", padded_vocab, "tensor", tp),
         ("num_hidden_layers", dims.num_layers, "pipeline", pp),
     ]
+    if isinstance(adapter, MoEDecoderAdapter):
+        moe = adapter.moe_dims(cfg)
+        checks += [
+            ("moe_intermediate_size", moe.moe_ffn_hidden_size, "tensor", tp),
+            ("num_experts", moe.num_moe_experts, "expert", ep),
+        ]
+    else:
+        checks.append(("intermediate_size", dims.ffn_hidden_size, "tensor", tp))
+        if ep != 1:
+            raise ConversionError(
+                f"--ep {ep}: expert parallelism applies to mixture-of-experts models; model_type "
+                f"{dims.model_type!r} has no experts (use --ep 1)"
+            )
+    flags = {"tensor": "--tp", "pipeline": "--pp", "expert": "--ep"}
     for what, value, kind, size in checks:
         if value % size:
-            raise ConversionError(f"{what}={value} is not divisible by the {kind}-parallel size {size}")
+            raise ConversionError(
+                f"{what}={value} is not divisible by the {kind}-parallel size {size} ({flags[kind]} {size})"
+            )
 
 
 def _target_dtype(option: str | None, native: torch.dtype) -> torch.dtype:
@@ -263,14 +297,6 @@ def _check_hf_tensors(reader: SafetensorsReader, units: list[WeightUnit], adapte
         )
 
 
-def _convertible_adapter(cfg: dict) -> DecoderAdapter:
-    """The adapter of ``cfg``'s ``model_type``, refused when the converter cannot handle it yet."""
-    adapter = adapter_for_config(cfg)
-    if adapter.not_yet:
-        raise ConversionError(f"model_type {adapter.model_type!r} cannot be converted: {adapter.not_yet}")
-    return adapter
-
-
 def hf_to_mcore(options: HfToMcoreOptions) -> ConversionSummary:
     """Convert an HF safetensors checkpoint into a megatron-core torch_dist checkpoint."""
     from megatron_rl.models.convert.mcore_io import write_checkpoint
@@ -278,10 +304,10 @@ def hf_to_mcore(options: HfToMcoreOptions) -> ConversionSummary:
     start = time.perf_counter()
     hf_dir = Path(options.hf_dir)
     cfg = read_config(hf_dir)
-    adapter = _convertible_adapter(cfg)
+    adapter = adapter_for_config(cfg)
     dims = adapter.dims(cfg)
     vocab = padded_vocab_size(dims.vocab_size, tp_size=options.tp, divisible_by=options.make_vocab_size_divisible_by)
-    _check_parallel(dims, options.tp, options.pp, vocab)
+    _check_parallel(adapter, cfg, options, vocab)
     units = adapter.weight_units(cfg, padded_vocab_size=vocab)
     reader = SafetensorsReader.open(hf_dir)
     _check_hf_tensors(reader, units, adapter, cfg)
@@ -319,6 +345,7 @@ def hf_to_mcore(options: HfToMcoreOptions) -> ConversionSummary:
             "make_vocab_size_divisible_by": options.make_vocab_size_divisible_by,
             "tensor_model_parallel_size": options.tp,
             "pipeline_model_parallel_size": options.pp,
+            "expert_model_parallel_size": options.ep,
             "dtypes": sorted({str(d).removeprefix("torch.") for d in dtypes.values()}),
         }
         (tmp / RECORD_FILE).write_text(json.dumps(record, indent=2) + "\n")
@@ -360,7 +387,7 @@ def _check_mcore_tensors(reader, units: list[WeightUnit], dims: ModelDims, cfg_p
                     f"'{unit.sharded_key}' in {files} has only {shape[0]} rows"
                 )
             continue
-        want = (dims.num_layers, *unit.mcore_shape) if unit.layer is not None else tuple(unit.mcore_shape)
+        want = checkpoint_region(unit, dims.num_layers)[0]
         if tuple(shape) != want:
             raise ConversionError(
                 f"tensor '{unit.sharded_key}' in {files} has shape {list(shape)}; {cfg_path} implies {list(want)}"
@@ -375,6 +402,33 @@ def _check_mcore_tensors(reader, units: list[WeightUnit], dims: ModelDims, cfg_p
         )
 
 
+def _read_batches(units: list[WeightUnit], reader) -> Iterator[list[WeightUnit]]:
+    """``units`` in order, in the groups that :meth:`DistCheckpointReader.read_many` reads together:
+    consecutive units of at most the bytes of the largest unit (usually the embedding).
+
+    Every ``dist_checkpointing.load`` re-reads the checkpoint's ``.metadata``, which grows
+    with the number of chunks (one per layer per key, and per expert: about 25,000 for
+    Qwen3-30B-A3B, where one read per unit would re-read it about 12,000 times). Grouping
+    up to the largest unit keeps the peak memory where one large unit puts it anyway.
+    """
+
+    def nbytes(unit: WeightUnit) -> int:
+        dtype = reader.tensors[unit.sharded_key][1]
+        return int(torch.Size(unit.mcore_shape).numel()) * torch.empty((), dtype=dtype).element_size()
+
+    budget = max((nbytes(u) for u in units), default=0)
+    batch: list[WeightUnit] = []
+    size = 0
+    for unit in units:
+        if batch and size + nbytes(unit) > budget:
+            yield batch
+            batch, size = [], 0
+        batch.append(unit)
+        size += nbytes(unit)
+    if batch:
+        yield batch
+
+
 def mcore_to_hf(options: McoreToHfOptions) -> ConversionSummary:
     """Convert a megatron-core torch_dist checkpoint into HF safetensors shards."""
     from megatron_rl.models.convert.mcore_io import DistCheckpointReader, single_process_group
@@ -386,7 +440,7 @@ def mcore_to_hf(options: McoreToHfOptions) -> ConversionSummary:
     if not (cfg_dir / "config.json").is_file():
         raise ConversionError(f"no HF config.json in {cfg_dir}; pass --hf-config DIR")
     cfg = read_config(cfg_dir)
-    adapter = _convertible_adapter(cfg)
+    adapter = adapter_for_config(cfg)
     dims = adapter.dims(cfg)
     # The stored padding depends on the TP size the checkpoint was written at; any >= V is fine.
     stored = reader.tensors.get("embedding.word_embeddings.weight")
@@ -404,11 +458,12 @@ def mcore_to_hf(options: McoreToHfOptions) -> ConversionSummary:
     with _atomic_output_dir(options.out_dir, needed_bytes=needed) as tmp, single_process_group():
         writer = SafetensorsShardWriter(tmp, specs, max_shard_bytes=options.max_shard_bytes)
         try:
-            for unit in units:
-                full = reader.read(unit.sharded_key, unit.layer)
-                for name, tensor in adapter.mcore_to_hf(unit, full):
-                    writer.write(name, tensor.to(dtype_of[name]))
-                del full
+            for batch in _read_batches(units, reader):
+                tensors = reader.read_many([(u.sharded_key, u.layer, u.expert) for u in batch])
+                for unit, full in zip(batch, tensors):
+                    for name, tensor in adapter.mcore_to_hf(unit, full):
+                        writer.write(name, tensor.to(dtype_of[name]))
+                del tensors, full
             writer.finish()
         finally:
             writer.close()

@@ -7,22 +7,25 @@ Format. A megatron-core ``torch_dist`` checkpoint is a torch.distributed.checkpo
 reader gathers the region it needs from whatever chunks overlap it; this is how one
 checkpoint loads at any TP/PP. The keys and global shapes must be those produced by
 ``GPTModel.sharded_state_dict()`` (see ``models/weight_units.py``): decoder-layer tensors are
-stacked as ``[num_layers, ...]`` under ``decoder.layers.<suffix>``, and every layer
-also has ``_extra_state`` objects for its four linear layers (``None`` for the local
-spec; Transformer-Engine layers accept ``None`` too).
+stacked as ``[num_layers, ...]`` under ``decoder.layers.<suffix>``, mixture-of-experts
+expert tensors as ``[num_layers, num_experts, ...]``, and every linear layer of a decoder
+layer (each expert's two included) also has an ``_extra_state`` object (``None`` for the
+local spec; Transformer-Engine layers accept ``None`` too; :func:`extra_state_keys`).
 
 Writing (:func:`write_checkpoint`). ``megatron.core.dist_checkpointing.save`` needs the
 whole state dict in memory and its writer copies all of it before writing. Here a
-DCP ``SavePlanner`` is handed the write items (one chunk per layer per key, shapes
-known from the config) and produces each chunk only when the DCP ``FileSystemWriter``
-asks for it; with one writer thread, DCP requests chunks one after the other and
+DCP ``SavePlanner`` is handed the write items (one chunk per layer per key, or per layer
+per expert; shapes known from the config) and produces each chunk only when the DCP
+``FileSystemWriter`` asks for it; with one writer thread, DCP requests chunks one after the other and
 writes each before requesting the next. Peak memory is therefore one chunk plus its
 HF sources, not the model. No process group is needed (``no_dist=True``).
 
 Reading (:class:`DistCheckpointReader`). ``megatron.core.dist_checkpointing.load`` with
-a one-entry sharded state dict describing exactly one layer row of one key, so the
-reader validates the checkpoint the same way a training job would and only that row
-is read from disk.
+a sharded state dict describing exactly one layer row of one key (one ``[layer, expert]``
+element for expert tensors) per requested tensor, so the reader validates the checkpoint
+the same way a training job would and only those regions are read from disk. Each load
+re-reads ``.metadata`` (megatron makes a new file-system reader per call), so callers
+read many regions per call (:meth:`DistCheckpointReader.read_many`).
 """
 
 from __future__ import annotations
@@ -36,22 +39,14 @@ from pathlib import Path
 
 import torch
 
-from megatron_rl.models.weight_units import ConversionError, WeightUnit
+from megatron_rl.models.weight_units import ConversionError, WeightUnit, checkpoint_region
 
 __all__ = [
-    "EXTRA_STATE_MODULES",
+    "extra_state_keys",
     "write_checkpoint",
     "DistCheckpointReader",
     "single_process_group",
 ]
-
-# Layer submodules whose ``_extra_state`` megatron-core checkpoints as ShardedObjects.
-EXTRA_STATE_MODULES = (
-    "self_attention.linear_qkv",
-    "self_attention.linear_proj",
-    "mlp.linear_fc1",
-    "mlp.linear_fc2",
-)
 
 # What megatron-core writes to metadata.json for its default torch_dist strategy.
 _CHECKPOINTING_CONFIG = {
@@ -62,13 +57,27 @@ _CHECKPOINTING_CONFIG = {
 }
 
 
-def _extra_state_key(module: str, layer: int, num_layers: int) -> str:
-    # ShardedObject.unique_key: "<key>/shard_<global offset>_<global shape>"
-    return f"decoder.layers.{module}._extra_state/shard_{layer}_{num_layers}"
+def extra_state_keys(units: Sequence[WeightUnit], num_layers: int) -> list[str]:
+    """The ``_extra_state`` objects megatron-core checkpoints beside ``units``, as DCP keys.
 
-
-def _global_shape(unit: WeightUnit, num_layers: int) -> tuple[int, ...]:
-    return (num_layers, *unit.mcore_shape) if unit.layer is not None else tuple(unit.mcore_shape)
+    Every linear layer (a module named ``linear_*``: ``linear_qkv``, ``linear_proj``,
+    ``linear_fc1``, ``linear_fc2``) of a decoder layer has one, a ``ShardedObject`` with
+    the leading (layer, expert) axes of its weight: the key is
+    ``<module>._extra_state/shard_<offsets>_<shape>`` over those axes, joined by ``.``
+    (``ShardedObject.unique_key``), e.g. ``decoder.layers.mlp.linear_fc1._extra_state/shard_3_24``
+    or ``decoder.layers.mlp.experts.experts.linear_fc2._extra_state/shard_3.17_24.128``. Norms,
+    the router, the embedding and the output layer have none. In unit order, without repeats.
+    """
+    keys: dict[str, None] = {}
+    for unit in units:
+        module = unit.sharded_key.rpartition(".")[0]
+        if unit.layer is None or not module.rpartition(".")[2].startswith("linear_"):
+            continue
+        shape, offsets, _ = checkpoint_region(unit, num_layers)
+        leading = 1 if unit.expert is None else 2
+        where = ".".join(map(str, offsets[:leading])), ".".join(map(str, shape[:leading]))
+        keys[f"{module}._extra_state/shard_{where[0]}_{where[1]}"] = None
+    return list(keys)
 
 
 def write_checkpoint(
@@ -83,7 +92,9 @@ def write_checkpoint(
 
     ``produce(unit)`` returns the full Megatron tensor of one unit (shape
     ``unit.mcore_shape``, dtype ``dtypes[unit.mcore_name]``); it is called once per
-    unit, lazily, in order. Returns the number of tensor bytes written.
+    unit, lazily, in order. Each unit is one chunk at :func:`checkpoint_region`; the
+    ``_extra_state`` objects of :func:`extra_state_keys` are ``None``. Returns the number
+    of tensor bytes written.
     """
     from torch.distributed.checkpoint import FileSystemWriter
     from torch.distributed.checkpoint import save as dcp_save
@@ -97,9 +108,7 @@ def write_checkpoint(
     total_bytes = 0
 
     for unit in units:
-        global_shape = _global_shape(unit, num_layers)
-        offsets = (unit.layer, *([0] * len(unit.mcore_shape))) if unit.layer is not None else (0,) * len(global_shape)
-        sizes = (1, *unit.mcore_shape) if unit.layer is not None else tuple(unit.mcore_shape)
+        global_shape, offsets, sizes = checkpoint_region(unit, num_layers)
         dtype = dtypes[unit.mcore_name]
         index = MetadataIndex(fqn=unit.sharded_key, offset=torch.Size(offsets))
         items.append(
@@ -116,11 +125,9 @@ def write_checkpoint(
         producers[(unit.sharded_key, tuple(offsets))] = _chunk_producer(unit, sizes, dtype, produce)
         total_bytes += torch.Size(sizes).numel() * torch.empty((), dtype=dtype).element_size()
 
-    for layer in range(num_layers):
-        for module in EXTRA_STATE_MODULES:
-            key = _extra_state_key(module, layer, num_layers)
-            items.append(WriteItem(index=MetadataIndex(fqn=key), type=WriteItemType.BYTE_IO))
-            producers[(key, None)] = _none_extra_state
+    for key in extra_state_keys(units, num_layers):
+        items.append(WriteItem(index=MetadataIndex(fqn=key), type=WriteItemType.BYTE_IO))
+        producers[(key, None)] = _none_extra_state
 
     class StreamingSavePlanner(DefaultSavePlanner):
         """Plans the precomputed items; resolves each one only when the writer asks for it."""
@@ -221,7 +228,8 @@ def single_process_group() -> Iterator[None]:
 
 
 class DistCheckpointReader:
-    """Read tensors of a megatron-core ``torch_dist`` checkpoint, one layer row at a time.
+    """Read tensors of a megatron-core ``torch_dist`` checkpoint by layer rows (or by
+    experts of one layer), a few at a time.
 
     ``tensors`` maps every stored tensor key to ``(global shape, dtype)``. Reads need
     :func:`single_process_group` (or an initialized world of size 1).
@@ -255,8 +263,13 @@ class DistCheckpointReader:
             if isinstance(md, TensorStorageMetadata)
         }
         self._files: dict[str, set[str]] = {}
+        # (key, leading offsets) -> files; a chunk's leading offsets name its layer and expert.
+        self._chunk_files: dict[tuple[str, tuple[int, ...]], set[str]] = {}
         for index, info in self._metadata.storage_data.items():
             self._files.setdefault(index.fqn, set()).add(info.relative_path)
+            offset = tuple(index.offset or ())
+            for lead in range(1, min(len(offset), 2) + 1):
+                self._chunk_files.setdefault((index.fqn, offset[:lead]), set()).add(info.relative_path)
         for relative_path in sorted({p for paths in self._files.values() for p in paths}):
             if not (self.directory / relative_path).is_file():
                 keys = sorted(k for k, paths in self._files.items() if relative_path in paths)
@@ -264,12 +277,36 @@ class DistCheckpointReader:
                     f"checkpoint file {self.directory / relative_path} is missing (it holds '{keys[0]}' and {len(keys) - 1} more)"
                 )
 
-    def files(self, key: str) -> list[str]:
-        """Paths of the checkpoint files holding chunks of ``key`` (for error messages)."""
-        return [str(self.directory / name) for name in sorted(self._files.get(key, ()))]
+    def files(self, key: str, index: Sequence[int] = ()) -> list[str]:
+        """Paths of the checkpoint files holding chunks of ``key`` (for error messages); with
+        ``index``, only of the chunks whose offsets start with it (one layer, one expert)."""
+        names = self._files.get(key, set()) if not index else self._chunk_files.get((key, tuple(index)), set())
+        return [str(self.directory / name) for name in sorted(names)]
 
-    def read(self, key: str, layer: int | None = None) -> torch.Tensor:
-        """The global tensor ``key``, or its row ``layer`` (without the layer dim) when given."""
+    def read(self, key: str, layer: int | None = None, expert: int | None = None) -> torch.Tensor:
+        """The global tensor ``key``; its row ``layer`` (without the layer dim) when given;
+        element ``[layer, expert]`` (without both dims) of an expert tensor
+        ``[num_layers, num_experts, ...]`` when ``expert`` is given too."""
+        return self.read_many([(key, layer, expert)])[0]
+
+    def read_many(self, requests: Sequence[tuple[str, int | None, int | None]]) -> list[torch.Tensor]:
+        """:meth:`read` of each ``(key, layer, expert)`` in ``requests``, in one
+        ``dist_checkpointing.load`` call (all of them are in memory together).
+
+        Each call re-reads the checkpoint's ``.metadata``, whose size grows with the number
+        of chunks (one per layer per key, and per expert), so reading many regions at once
+        is much faster than reading them one by one. When the call fails, the requests are
+        read one by one, so that the error names the tensor and the file at fault.
+        """
+        try:
+            return self._load(requests)
+        except ConversionError:
+            if len(requests) > 1:
+                for request in requests:
+                    self._load([request])
+            raise
+
+    def _load(self, requests: Sequence[tuple[str, int | None, int | None]]) -> list[torch.Tensor]:
         from torch.distributed.checkpoint.api import CheckpointException
 
         with warnings.catch_warnings():
@@ -278,24 +315,34 @@ class DistCheckpointReader:
             from megatron.core import dist_checkpointing
             from megatron.core.dist_checkpointing import ShardedTensor
 
-        shape, dtype = self.tensors[key]
-        if layer is None:
-            sharded = ShardedTensor.from_rank_offsets(key, torch.empty(shape, dtype=dtype), replica_id=0)
-        else:
-            # Row `layer` of `shape[0]` equal fragments along dim 0, as a rank of a
-            # pipeline with one layer per stage would request it.
-            buffer = torch.empty((1, *shape[1:]), dtype=dtype)
-            sharded = ShardedTensor.from_rank_offsets(key, buffer, (0, layer, shape[0]), replica_id=0)
-        where = f" (layer {layer})" if layer is not None else ""
-        files = ", ".join(self.files(key)) or str(self.directory)
-        context = f"cannot read tensor '{key}'{where} from {files}"
+        sharded, shapes, where = {}, [], []
+        for n, (key, layer, expert) in enumerate(requests):
+            if expert is not None and layer is None:
+                raise ValueError("read(): an expert index needs a layer index")
+            shape, dtype = self.tensors[key]
+            index = () if layer is None else (layer,) if expert is None else (layer, expert)
+            if len(index) > len(shape) or any(not 0 <= i < size for i, size in zip(index, shape)):
+                raise ConversionError(f"cannot read element {list(index)} of tensor '{key}' of shape {list(shape)}")
+            # The region a rank holding one layer (and one expert) would request: fragment i
+            # of shape[axis] equal fragments along each leading axis.
+            buffer = torch.empty((*(1,) * len(index), *shape[len(index) :]), dtype=dtype)
+            offsets = [(axis, i, shape[axis]) for axis, i in enumerate(index)]
+            sharded[f"t{n}"] = ShardedTensor.from_rank_offsets(key, buffer, *offsets, replica_id=0)
+            shapes.append(shape[len(index) :])
+            label = "" if layer is None else f" (layer {layer}{'' if expert is None else f', expert {expert}'})"
+            where.append((key, label, self.files(key, index) or self.files(key)))
+        key, label, files = where[0]
+        more = f" and {len(where) - 1} more tensors" if len(where) > 1 else ""
+        names = sorted({f for _, _, fs in where for f in fs})
+        shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more files" if len(names) > 3 else "")
+        context = f"cannot read tensor '{key}'{label}{more} from {shown or self.directory}"
         try:
             with warnings.catch_warnings():
                 # megatron-core 0.16 calls the deprecated DCP load_state_dict.
                 warnings.filterwarnings("ignore", message=".*load_state_dict.*deprecated", category=FutureWarning)
-                loaded = dist_checkpointing.load({"t": sharded}, str(self.directory), validate_access_integrity=False)["t"]
+                loaded = dist_checkpointing.load(sharded, str(self.directory), validate_access_integrity=False)
         except CheckpointException as e:
             raise _unwrap(e, context) from None
         except Exception as e:
             raise ConversionError(f"{context}: {type(e).__name__}: {e}") from e
-        return loaded[0] if layer is not None else loaded
+        return [loaded[f"t{n}"].reshape(shape) for n, shape in enumerate(shapes)]
