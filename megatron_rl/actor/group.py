@@ -26,6 +26,7 @@ import torch
 
 from megatron_rl.actor.actor import LogProbs
 from megatron_rl.actor.batch import ActorBatch
+from megatron_rl.actor.model import load_hf_config
 from megatron_rl.actor.spec import ActorSpec
 from megatron_rl.actor.worker import ActorWorker
 from megatron_rl.cluster.placement import GroupPlacement
@@ -58,11 +59,12 @@ class ActorCallTimeoutError(RuntimeError):
     """Actor ranks did not finish a call within ``actor.call_timeout_s``."""
 
 
-def default_call_timeout_s(hf_config: dict[str, Any], *, tp: int, pp: int) -> float:
+def default_call_timeout_s(architecture: Any, *, tp: int, pp: int) -> float:
     """``actor.call_timeout_s`` when it is null: :data:`MIN_CALL_TIMEOUT_S` plus the largest
-    rank's share of a checkpoint of the ``hf_config`` model at TP ``tp`` x PP ``pp``,
-    written at :data:`SLOW_WRITE_BYTES_PER_S`."""
-    arch = Architecture.from_hf_config(hf_config)
+    rank's share of a checkpoint of the ``architecture`` model (an ``ActorSpec.architecture``:
+    a HF directory, its ``config.json``, a dict) at TP ``tp`` x PP ``pp``, written at
+    :data:`SLOW_WRITE_BYTES_PER_S`."""
+    arch = Architecture.from_hf_config(load_hf_config(architecture))
     params = max(stage_parameters(arch, tp=tp, pp=pp, stage=stage) for stage in range(pp))
     return MIN_CALL_TIMEOUT_S + params * CHECKPOINT_BYTES_PER_PARAMETER / SLOW_WRITE_BYTES_PER_S
 

@@ -39,3 +39,12 @@ def test_the_setting_is_checked():
     with pytest.raises(ConfigError, match="call_timeout_s"):
         ActorConfig(call_timeout_s=float("inf"))
     assert ActorConfig(call_timeout_s=60).call_timeout_s == 60
+
+
+def test_the_default_reads_a_model_directory_too(tmp_path):
+    """``ActorSpec.architecture`` is often a HF directory (a pretrained model)."""
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps(QWEN_14B))
+    assert default_call_timeout_s(tmp_path, tp=2, pp=1) == default_call_timeout_s(QWEN_14B, tp=2, pp=1)
+    assert default_call_timeout_s(str(tmp_path / "config.json"), tp=2, pp=1) == default_call_timeout_s(QWEN_14B, tp=2, pp=1)
