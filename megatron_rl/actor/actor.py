@@ -42,6 +42,7 @@ from megatron_rl.actor.compat import cpu_shim
 from megatron_rl.actor.launch import ProcessGroups
 from megatron_rl.actor.optimizer import adam_step, build_optimizer, optimizer_step, set_adam_kernel
 from megatron_rl.actor.policy import LogProbs, PolicyModel
+from megatron_rl.actor.router_losses import RouterLossMeter
 from megatron_rl.actor.spec import ActorSpec
 from megatron_rl.algo import (
     AlgorithmConfig,
@@ -89,6 +90,8 @@ class MegatronActor(PolicyModel):
             lr_decay_steps=spec.lr_decay_steps,
             kernel=spec.actor.optimizer_kernel,
         )
+        if self.transformer_config.num_moe_experts:
+            self.router_losses = RouterLossMeter(self.model_chunks, self.transformer_config, self.groups)
         self.train_steps = 0
         """``train_step`` calls so far (skipped ones included)."""
         self.optimizer_steps = 0
@@ -156,7 +159,9 @@ class MegatronActor(PolicyModel):
         vocab-parallel loss at the spec's temperature (like ``old_logp``), then the step.
 
         Metrics (identical on every rank except the two timings, which are this rank's):
-        ``loss/total`` (global ``sum(loss_sum) / sum(count)``), ``actor/grad_norm`` (global,
+        ``loss/total`` (global ``sum(loss_sum) / sum(count)``, plus ``loss/moe_aux`` of a
+        mixture-of-experts model, whose ``moe/*`` router losses are reported too:
+        ``actor/router_losses.py``), ``actor/grad_norm`` (global,
         before clipping), ``actor/lr`` (used by this step), ``actor/step_skipped`` (1.0 when
         the loss or grad norm was not finite), ``actor/skipped_steps_total``,
         ``actor/optimizer_steps_total``, ``actor/num_microbatches`` (summed over DP),
@@ -210,6 +215,8 @@ class MegatronActor(PolicyModel):
         self.ddp.train()
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
+        if self.router_losses is not None:
+            self.router_losses.reset()
         reports = self._run_schedule(microbatches, loss_func, forward_only=False)
         fb_time = time.perf_counter() - start
         if self.groups.is_last_stage:
@@ -224,6 +231,8 @@ class MegatronActor(PolicyModel):
         loss_pair = merged.pop("loss")
         num_microbatches = float(merged.pop("num_microbatches")[0])
         loss = float(loss_pair[0] / loss_pair[1]) if float(loss_pair[1]) > 0 else float(loss_pair[0])
+        router_metrics = {} if self.router_losses is None else self.router_losses.metrics(float(loss_pair[1]))
+        loss += router_metrics.get("loss/moe_aux", 0.0)
 
         opt_start = time.perf_counter()
         grad_norm, updated = optimizer_step(
@@ -246,6 +255,7 @@ class MegatronActor(PolicyModel):
             "timing_s/train_optimizer": time.perf_counter() - opt_start,
         }
         metrics.update(finalize_metrics(merged))
+        metrics.update(router_metrics)
         n, length = batch.input_ids.shape
         if token_grad_norms:
             self.last_token_grad_norms = gather_token_values(

@@ -42,6 +42,7 @@ __all__ = [
     "AUTO_PACK_PADDING_FRACTION",
     "ActorBatch",
     "MicroBatch",
+    "filler_microbatch",
     "make_microbatches",
     "padding_fraction",
     "plan_microbatches",
@@ -364,6 +365,31 @@ def make_microbatches(
             )
         )
     return out
+
+
+def filler_microbatch(like: MicroBatch, length: int) -> MicroBatch:
+    """A micro-batch of one all-padding row of ``length`` tokens that belongs to no sequence
+    (``rows`` empty) and trains on nothing (every mask false): a data-parallel rank with
+    fewer micro-batches than the others runs these where the experts' all-to-all spans the
+    DP ranks, since every rank of an expert-parallel group must take part in each forward.
+    Its optional tensors exist where ``like``'s do. Its tokens are routed like any other,
+    so they count in the router's auxiliary losses (weighted by their number, ``length``)."""
+    ids = torch.zeros(1, length, dtype=torch.long, device=like.input_ids.device)
+
+    def zeros(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else torch.zeros(1, length, dtype=t.dtype, device=t.device)
+
+    return MicroBatch(
+        rows=torch.zeros(0, dtype=torch.long),
+        input_ids=ids,
+        targets=torch.zeros_like(ids),
+        target_mask=torch.zeros_like(ids, dtype=torch.bool),
+        loss_mask=zeros(like.loss_mask),
+        old_logp=zeros(like.old_logp),
+        ref_logp=zeros(like.ref_logp),
+        advantages=zeros(like.advantages),
+        engine_logp=zeros(like.engine_logp),
+    )
 
 
 def _pack(batch: ActorBatch, rows: list[int], lengths: list[int], device, multiple: int) -> MicroBatch:

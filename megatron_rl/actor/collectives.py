@@ -53,6 +53,8 @@ def gather_token_values(
     k = broadcast_from_last_stage(len(values[0]) if values else 0, groups)
     local = torch.zeros(k, num_local, length, dtype=torch.float32, device=device())
     for mb, vals in zip(microbatches, values):
+        if not len(mb.rows):  # a filler micro-batch (actor.batch.filler_microbatch): no sequence's values
+            continue
         for j, v in enumerate(vals):
             rows = mb.per_row(v)  # [b, s]: one zero-padded row per sequence
             w = min(rows.shape[1], length)  # a micro-batch padded past the batch's width: drop the padding

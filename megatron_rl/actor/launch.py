@@ -26,8 +26,16 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.actor.compat import cpu_shim
+from megatron_rl.config.parallel import ParallelConfig
 
-__all__ = ["ProcessGroups", "init_process_group", "initialize_parallel", "destroy_parallel", "set_seed"]
+__all__ = [
+    "ProcessGroups",
+    "init_process_group",
+    "initialize_parallel",
+    "initialize_parallel_from",
+    "destroy_parallel",
+    "set_seed",
+]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -58,6 +66,13 @@ class ProcessGroups:
     """Number of data-parallel replicas (world / (TP * PP))."""
     pp_global_ranks: tuple[int, ...]
     """Global rank of each stage of this rank's PP group, stage 0 first."""
+    ep: dist.ProcessGroup
+    """Expert-parallel group: the ranks over which each MoE layer's experts are split (one
+    rank alone for dense models and EP = 1)."""
+    ep_rank: int
+    """This rank's index in ``ep``: it holds experts ``ep_rank * E / ep_size`` onwards."""
+    ep_size: int
+    """Expert-parallel size."""
 
     @property
     def is_first_stage(self) -> bool:
@@ -101,9 +116,15 @@ def init_process_group(
 
 
 def initialize_parallel(
-    *, tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1, seed: int = 1234
+    *,
+    tensor_model_parallel_size: int = 1,
+    pipeline_model_parallel_size: int = 1,
+    expert_model_parallel_size: int = 1,
+    expert_tensor_parallel_size: int | None = None,
+    seed: int = 1234,
 ) -> ProcessGroups:
-    """Set up megatron's parallel state (TP/PP/DP) and the RNGs on an initialised process group.
+    """Set up megatron's parallel state (TP/PP/DP, and EP/ETP for the expert layers) and the
+    RNGs on an initialised process group.
 
     Applies the CPU shim first when CUDA is unavailable (see ``cpu_shim``). The same layout
     again reuses the existing groups (an actor built before keeps working); another layout
@@ -125,13 +146,16 @@ def initialize_parallel(
     model_parallel = tensor_model_parallel_size * pipeline_model_parallel_size
     if world % model_parallel:
         raise ValueError(f"world size {world} is not a multiple of TP * PP = {model_parallel}")
-    layout = (tensor_model_parallel_size, pipeline_model_parallel_size, world)
+    layout = (tensor_model_parallel_size, pipeline_model_parallel_size, expert_model_parallel_size,
+              expert_tensor_parallel_size, world)  # fmt: skip
     if _LAYOUT != [layout] or not ps.model_parallel_is_initialized():
         destroy_parallel()
         _GROUPS_BEFORE[:] = _live_groups()
         ps.initialize_model_parallel(
             tensor_model_parallel_size=tensor_model_parallel_size,
             pipeline_model_parallel_size=pipeline_model_parallel_size,
+            expert_model_parallel_size=expert_model_parallel_size,
+            expert_tensor_parallel_size=expert_tensor_parallel_size,
         )
         _LAYOUT[:] = [layout]
     groups = ProcessGroups(
@@ -145,9 +169,23 @@ def initialize_parallel(
         dp_rank=ps.get_data_parallel_rank(),
         dp_size=ps.get_data_parallel_world_size(),
         pp_global_ranks=tuple(dist.get_process_group_ranks(ps.get_pipeline_model_parallel_group())),
+        ep=ps.get_expert_model_parallel_group(),
+        ep_rank=ps.get_expert_model_parallel_rank(),
+        ep_size=ps.get_expert_model_parallel_world_size(),
     )
     set_seed(seed, pp_rank=groups.pp_rank)
     return groups
+
+
+def initialize_parallel_from(parallel: ParallelConfig, *, seed: int) -> ProcessGroups:
+    """:func:`initialize_parallel` at the sizes of the run's ``parallel`` section."""
+    return initialize_parallel(
+        tensor_model_parallel_size=parallel.tensor_model_parallel_size,
+        pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
+        expert_model_parallel_size=parallel.expert_model_parallel_size,
+        expert_tensor_parallel_size=parallel.expert_tensor_parallel_size,
+        seed=seed,
+    )
 
 
 def set_seed(seed: int, *, pp_rank: int = 0) -> None:

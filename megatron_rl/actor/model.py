@@ -122,13 +122,16 @@ def transformer_config_kwargs(
     kwargs.update(
         tensor_model_parallel_size=parallel.tensor_model_parallel_size,
         pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
+        expert_model_parallel_size=parallel.expert_model_parallel_size,
+        expert_tensor_parallel_size=parallel.resolved_expert_tensor_parallel_size,
         sequence_parallel=parallel.sequence_parallel,
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,
         calculate_per_token_loss=True,
         variable_seq_lengths=True,
-        # Checked even for dense models: the default MoE dispatcher rejects variable lengths.
+        # The one dispatcher that takes variable lengths (checked even for dense models); on
+        # a CPU its host copies run on the CPU shim's stream stand-in.
         moe_token_dispatcher_type="alltoall",
     )
     if options.fp8 is not None:
@@ -202,6 +205,7 @@ def build_gpt_model(
             parallel_output=True,
             **adapter.gpt_model_kwargs(hf_config, padded_vocab_size=vocab),
         )
+    model = adapter.finish_model(model)
     if options.torch_dtype != torch.float32:
         model = model.to(options.torch_dtype)
     if torch.cuda.is_available():

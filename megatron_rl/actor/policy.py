@@ -29,12 +29,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
-from megatron_rl.actor.batch import ActorBatch, MicroBatch, make_microbatches, resolve_packing
+from megatron_rl.actor.batch import ActorBatch, MicroBatch, filler_microbatch, make_microbatches, resolve_packing
 from megatron_rl.actor.collectives import device, gather_token_values
 from megatron_rl.actor.compat import cpu_shim
 from megatron_rl.actor.hidden import final_hidden_states, output_weight
-from megatron_rl.actor.launch import ProcessGroups, initialize_parallel
+from megatron_rl.actor.launch import ProcessGroups, initialize_parallel_from
 from megatron_rl.actor.model import (
     build_gpt_model,
     build_transformer_config,
@@ -42,6 +43,7 @@ from megatron_rl.actor.model import (
     load_hf_config,
     resolve_use_te,
 )
+from megatron_rl.actor.router_losses import RouterLossMeter
 from megatron_rl.actor.spec import ActorSpec
 from megatron_rl.actor.weights import HFWeightSource, iter_hf_weights, load_hf_weights
 from megatron_rl.algo import AlgorithmConfig, LossOutput
@@ -117,11 +119,11 @@ class PolicyModel:
         self.hf_config = load_hf_config(spec.architecture)
         self.adapter = adapter_for_config(self.hf_config)
         tp, pp = spec.parallel.tensor_model_parallel_size, spec.parallel.pipeline_model_parallel_size
-        self.groups = groups or initialize_parallel(
-            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, seed=spec.trainer.seed
-        )
-        if (self.groups.tp_size, self.groups.pp_size) != (tp, pp):
-            raise ValueError(f"groups are TP={self.groups.tp_size} PP={self.groups.pp_size}; spec says TP={tp} PP={pp}")
+        self.groups = groups or initialize_parallel_from(spec.parallel, seed=spec.trainer.seed)
+        ep = spec.parallel.expert_model_parallel_size
+        if (self.groups.tp_size, self.groups.pp_size, self.groups.ep_size) != (tp, pp, ep):
+            raise ValueError(f"groups are TP={self.groups.tp_size} PP={self.groups.pp_size} EP={self.groups.ep_size}; "
+                             f"spec says TP={tp} PP={pp} EP={ep}")  # fmt: skip
         self.vocab_size = int(self.hf_config["vocab_size"])
         self.padded_vocab_size = padded_vocab_size(
             self.vocab_size, tp_size=tp, divisible_by=spec.model.make_vocab_size_divisible_by
@@ -141,6 +143,8 @@ class PolicyModel:
         self.fused_linear = spec.actor.loss_impl == "fused_linear"
         self.use_te = resolve_use_te(spec.model)
         self.pad_multiple = pad_multiple(spec, use_te=self.use_te)
+        self.router_losses: RouterLossMeter | None = None
+        """A trained mixture-of-experts policy's router auxiliary losses (set by the actor)."""
 
     # ------------------------------------------------------------------ forward machinery
 
@@ -158,7 +162,15 @@ class PolicyModel:
         budget = self.spec.trainer.max_tokens_per_microbatch
         lengths = batch.lengths.tolist()
         pack = resolve_packing(self.spec.trainer.pack_sequences, lengths, budget, self.pad_multiple, use_te=self.use_te)
-        return make_microbatches(batch, budget, device=device(), pad_to_multiple_of=self.pad_multiple, pack=pack)
+        microbatches = make_microbatches(batch, budget, device=device(), pad_to_multiple_of=self.pad_multiple, pack=pack)
+        if self.groups.ep_size > 1:
+            # Each MoE layer's all-to-all spans DP ranks, so they must run as many forwards:
+            # the ranks with fewer micro-batches run fillers that train on nothing.
+            count = torch.tensor([len(microbatches)], dtype=torch.int64, device=device())
+            dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.groups.dp)
+            microbatches += [filler_microbatch(microbatches[0], self.pad_multiple)
+                             for _ in range(int(count) - len(microbatches))]  # fmt: skip
+        return microbatches
 
     def _vocab_options(self, temperature: float) -> VocabParallelOptions:
         return VocabParallelOptions(
@@ -184,7 +196,10 @@ class PolicyModel:
             packed = _packed_seq_params(mb)
             mask = None if packed else self._attention_mask(mb.input_ids.shape[1], mb.input_ids.device)
             inputs = dict(attention_mask=mask, packed_seq_params=packed)
-            with cpu_shim.suspended(mode):
+            record = contextlib.nullcontext()
+            if self.router_losses is not None and not forward_only:
+                record = self.router_losses.recording(filler=not len(mb.rows))
+            with cpu_shim.suspended(mode), record:
                 if hidden_only:
                     output = final_hidden_states(self.model, mb.input_ids, mb.position_ids(), **inputs)
                 else:  # labels=None: the last stage returns vocab-parallel logits [b, s, V/TP]

@@ -29,6 +29,7 @@ front, tensors cast to the engines' dtype).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -52,23 +53,53 @@ __all__ = [
 ]
 
 _LAYER_PREFIX = "decoder.layers."
-_GATED_FC1 = ("mlp.linear_fc1.weight", "mlp.linear_fc1.bias")
+# The SwiGLU fc1 of the dense MLP and of each expert (``mlp.experts.local_experts.<j>.linear_fc1``).
+_GATED_FC1_SUFFIXES = ("linear_fc1.weight", "linear_fc1.bias")
+_GROUPED_WEIGHT = re.compile(r"(linear_fc[12]\.(?:weight|bias))(\d+)")
 
 
-def global_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+def global_parameters(model: torch.nn.Module, adapter: DecoderAdapter | None = None) -> dict[str, torch.nn.Parameter]:
     """``{canonical global name: parameter}`` of one pipeline stage's ``GPTModel``.
 
     Layer names carry the global layer index (``layer_number - 1``), so stage 1 of a
-    2-stage 4-layer model reports ``decoder.layers.2.*`` and ``decoder.layers.3.*``.
+    2-stage 4-layer model reports ``decoder.layers.2.*`` and ``decoder.layers.3.*``; expert
+    names carry the global expert index (megatron's ``local_expert_indices`` of each
+    layer's experts: expert parallel rank r of EP holds experts ``r * E / EP`` onwards as
+    ``local_experts.0, 1, ...`` or, on the TE spec, ``weight0, 1, ...``). Names are then
+    made canonical by ``adapter.canonical_mcore_name`` (the dense decoders' mapping when no
+    adapter is given).
     """
+    canonical = canonical_mcore_name if adapter is None else adapter.canonical_mcore_name
     layers = model.decoder.layers
+    experts = {  # each MoE layer's ``experts.`` prefix -> its experts' global indices
+        prefix + ".experts.": [int(i) for i in module.local_expert_indices]
+        for prefix, module in model.named_modules()
+        if hasattr(module, "local_expert_indices") and hasattr(module, "experts")
+    }
     out = {}
     for name, param in model.named_parameters():
+        for prefix, indices in experts.items():
+            if name.startswith(prefix):
+                name = prefix + _global_expert_name(name[len(prefix) :], indices)
+                break
         if name.startswith(_LAYER_PREFIX):
             local, _, rest = name[len(_LAYER_PREFIX) :].partition(".")
             name = f"{_LAYER_PREFIX}{layers[int(local)].layer_number - 1}.{rest}"
-        out[canonical_mcore_name(name)] = param
+        out[canonical(name)] = param
     return out
+
+
+def _global_expert_name(rest: str, indices: list[int]) -> str:
+    """``local_experts.<l>.…`` (local spec) or ``linear_fc<k>.weight<l>`` (TE grouped GEMM),
+    relative to a layer's ``mlp.experts.``, with local expert l renamed to global ``indices[l]``."""
+    head, _, tail = rest.partition(".")
+    if head == "local_experts":
+        local, _, tail = tail.partition(".")
+        return f"local_experts.{indices[int(local)]}.{tail}"
+    match = _GROUPED_WEIGHT.fullmatch(rest)
+    if match:
+        return f"{match.group(1)}{indices[int(match.group(2))]}"
+    return rest
 
 
 def gather_tp_shards(
@@ -114,7 +145,7 @@ def concat_tp_shards(name: str, shards: list[torch.Tensor], *, dim: int, gated_l
     Shards concatenate along ``dim``, except the SwiGLU ``linear_fc1``: each rank holds
     ``[gate_r; up_r]`` and the full tensor is ``[gate_0 .. gate_n; up_0 .. up_n]``.
     """
-    if gated_linear_unit and name.endswith(_GATED_FC1):
+    if gated_linear_unit and name.endswith(_GATED_FC1_SUFFIXES):
         halves = [s.chunk(2, dim=0) for s in shards]
         return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
     return torch.cat(shards, dim=dim)
@@ -162,19 +193,30 @@ def iter_hf_weight_buckets(
     """
     if bucket_bytes < 1:
         raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
+    if to_first_rank and groups.ep_size > 1:
+        # The experts of a layer are spread over ranks of other DP replicas, which the
+        # first-rank path leaves out.
+        raise NotImplementedError("weight sync to the first rank at expert parallelism > 1 is not built yet")
     if to_first_rank and groups.dp_rank != 0:
         return
-    local = global_parameters(model)
+    local = global_parameters(model, adapter)
     owners = _ownership(local, groups)
     units = adapter.weight_units(hf_config, padded_vocab_size=padded_vocab_size)
     bucket: list[tuple[str, torch.Tensor]] = []
     size = 0
     device = next(iter(local.values())).device
     for unit in units:
-        if unit.mcore_name not in owners:
+        split = unit.expert is not None and groups.ep_size > 1
+        # An expert held by another expert-parallel rank: the stage of its layer's router owns it.
+        key = f"{_LAYER_PREFIX}{unit.layer}.mlp.router.weight" if split else unit.mcore_name
+        if key not in owners:
             raise KeyError(f"no pipeline stage holds '{unit.mcore_name}' (model and HF config disagree?)")
-        stage, dtype = owners[unit.mcore_name]
-        if to_first_rank:
+        stage, dtype = owners[key]
+        if split:
+            full = _expert_on_ep_group(unit, local, stage, dtype, device, groups, gated_linear_unit)
+            if groups.pp_size > 1:
+                dist.broadcast(full, src=groups.pp_global_ranks[stage], group=groups.pp)
+        elif to_first_rank:
             full = _unit_on_first_rank(unit, local, stage, dtype, device, groups, gated_linear_unit)
             if full is None:
                 continue
@@ -203,6 +245,25 @@ def iter_hf_weight_buckets(
             bucket, size = [], 0
     if bucket:
         yield bucket
+
+
+def _expert_on_ep_group(
+    unit: Any, local: Mapping[str, torch.Tensor], stage: int, dtype: torch.dtype, device: torch.device,
+    groups: ProcessGroups, gated_linear_unit: bool,
+) -> torch.Tensor:  # fmt: skip
+    """Expert ``unit.expert``'s full tensor on every rank of the owning stage's EP group:
+    the expert-parallel rank holding it (experts ``r * E / EP`` onwards on rank r) gathers
+    its TP shards, then broadcasts over ``groups.ep`` (expert TP = TP, the only layout here)."""
+    owner = unit.expert // (unit.num_experts // groups.ep_size)
+    if stage != groups.pp_rank:
+        return torch.empty(unit.mcore_shape, dtype=dtype, device=device)
+    if groups.ep_rank == owner:
+        full = gather_tp_shards(unit.mcore_name, local[unit.mcore_name], tp_group=groups.tp, tp_size=groups.tp_size,
+                                gated_linear_unit=gated_linear_unit)  # fmt: skip
+    else:
+        full = torch.empty(unit.mcore_shape, dtype=dtype, device=device)
+    dist.broadcast(full, src=dist.get_global_rank(groups.ep, owner), group=groups.ep)
+    return full
 
 
 def _unit_on_first_rank(
@@ -244,7 +305,7 @@ def take_tp_shard(
     """This rank's TP shard of the full tensor ``full`` of ``param`` (inverse of :func:`gather_tp_shards`)."""
     if tp_size == 1 or not getattr(param, "tensor_model_parallel", False):
         return full
-    if gated_linear_unit and name.endswith(_GATED_FC1):
+    if gated_linear_unit and name.endswith(_GATED_FC1_SUFFIXES):
         gate, up = full.chunk(2, dim=0)
         return torch.cat([gate.chunk(tp_size, dim=0)[tp_rank], up.chunk(tp_size, dim=0)[tp_rank]], dim=0)
     return full.chunk(tp_size, dim=int(param.partition_dim))[tp_rank]
@@ -279,7 +340,7 @@ def load_hf_weights(
     unexpected = sorted(n for n in reader.entries if n not in expected and not ignorable(n))
     if unexpected:
         raise ConversionError(f"unexpected HF tensor '{unexpected[0]}' in {directory} ({len(unexpected)} in all)")
-    local = global_parameters(model)
+    local = global_parameters(model, adapter)
     if "output_layer.weight" in local and not any(u.mcore_name == "output_layer.weight" for u in units):
         # Tied embeddings, last stage of a pipeline: its output layer is the embedding.
         local.setdefault("embedding.word_embeddings.weight", local.pop("output_layer.weight"))

@@ -72,7 +72,7 @@ class ActorWorker:
         """Join the Megatron world at rank 0's ``rendezvous`` (address, port) and build the
         actor (and reference) from ``spec``."""
         from megatron_rl.actor.actor import MegatronActor
-        from megatron_rl.actor.launch import init_process_group, initialize_parallel
+        from megatron_rl.actor.launch import init_process_group, initialize_parallel_from
         from megatron_rl.actor.reference import ReferencePolicy
 
         master_addr, master_port = rendezvous
@@ -84,11 +84,7 @@ class ActorWorker:
             LOCAL_RANK="0",  # Ray gives each GPU worker its own CUDA_VISIBLE_DEVICES
         )
         init_process_group(rank=self.rank, world_size=self.world_size)
-        groups = initialize_parallel(
-            tensor_model_parallel_size=spec.parallel.tensor_model_parallel_size,
-            pipeline_model_parallel_size=spec.parallel.pipeline_model_parallel_size,
-            seed=spec.trainer.seed,
-        )
+        groups = initialize_parallel_from(spec.parallel, seed=spec.trainer.seed)
         self.actor = MegatronActor(spec, groups=groups)
         if spec.with_reference:
             self.reference = ReferencePolicy(spec, groups=groups)

@@ -29,6 +29,19 @@ class ParallelConfig:
     data_parallel_size: int | None = None
     """Data-parallel (DP) size; null derives it as ``num_actor_ranks / (TP * PP * CP)``."""
 
+    expert_model_parallel_size: int = 1
+    """Expert-parallel (EP) size of a mixture-of-experts model: each MoE layer's routed
+    experts are split over this many ranks, which send each token to its experts' ranks with
+    an all-to-all. Megatron builds the expert groups apart from the dense layers' (its
+    ``tp-ep-dp-pp`` order over the same ranks), so EP may be any divisor of
+    ``num_actor_ranks / (ETP * PP)``; the model's expert count must be a multiple of it
+    (checked before start). Dense models need 1."""
+
+    expert_tensor_parallel_size: int | None = None
+    """Tensor-parallel size of each expert's weights (ETP); null: ``tensor_model_parallel_size``
+    (megatron's default), the only value supported yet (the weight sync gathers expert
+    shards over the TP group). Only read for mixture-of-experts models."""
+
     sequence_parallel: bool = False
     """Megatron sequence parallelism: activations outside attention and MLP (norms,
     dropout, residuals) are sharded along the sequence over the TP group, cutting their
@@ -57,6 +70,8 @@ class ParallelConfig:
             "context_parallel_size",
         )  # fmt: skip
         require_range("data_parallel_size", self.data_parallel_size, ge=1)
+        require_range("expert_model_parallel_size", self.expert_model_parallel_size, ge=1, le=1 << 16)
+        require_range("expert_tensor_parallel_size", self.expert_tensor_parallel_size, ge=1, le=1 << 16)
         for name in ("num_actor_ranks", "tensor_model_parallel_size", "pipeline_model_parallel_size"):
             require_range(name, getattr(self, name), ge=1, le=1 << 16)  # more ranks than any cluster has
         model_parallel = self.model_parallel_size
@@ -71,6 +86,20 @@ class ParallelConfig:
                 f"got {self.data_parallel_size}; TP * PP * CP * DP = {model_parallel * self.data_parallel_size} "
                 f"must equal num_actor_ranks ({self.num_actor_ranks})",
             )
+        etp = self.expert_tensor_parallel_size
+        if etp is not None and etp != self.tensor_model_parallel_size:
+            raise ConfigError(
+                "expert_tensor_parallel_size",
+                f"got {etp}; only the tensor-parallel size ({self.tensor_model_parallel_size}) or null is supported yet",
+            )
+        expert_layout = self.resolved_expert_tensor_parallel_size * self.expert_model_parallel_size
+        if self.num_actor_ranks % (expert_layout * self.pipeline_model_parallel_size):
+            field = "expert_model_parallel_size" if self.expert_model_parallel_size > 1 else "expert_tensor_parallel_size"
+            raise ConfigError(
+                field,
+                f"got {getattr(self, field)}; num_actor_ranks ({self.num_actor_ranks}) must be a multiple of "
+                f"ETP * EP * PP = {expert_layout * self.pipeline_model_parallel_size}",
+            )
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:
             raise ConfigError(
                 "sequence_parallel", "got True; sequence parallelism needs tensor_model_parallel_size > 1"
@@ -80,6 +109,11 @@ class ParallelConfig:
     def model_parallel_size(self) -> int:
         """Ranks that hold one copy of the model: ``TP * PP * CP``."""
         return self.tensor_model_parallel_size * self.pipeline_model_parallel_size * self.context_parallel_size
+
+    @property
+    def resolved_expert_tensor_parallel_size(self) -> int:
+        """``expert_tensor_parallel_size``, ``tensor_model_parallel_size`` when unset."""
+        return self.expert_tensor_parallel_size or self.tensor_model_parallel_size
 
     @property
     def resolved_data_parallel_size(self) -> int:

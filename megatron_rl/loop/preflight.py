@@ -38,6 +38,7 @@ from typing import Any
 
 from megatron_rl.actor.spec import ActorSpec
 from megatron_rl.config.lib import ConfigError, UnknownNameError, warn_config
+from megatron_rl.config.parallel import ParallelConfig
 from megatron_rl.config.run import RunConfig
 from megatron_rl.data.loaders import PromptRow, duplicate_ids, load_rows
 from megatron_rl.data.prompts import PromptEncoder
@@ -166,9 +167,10 @@ def _check_architecture(config: RunConfig) -> dict[str, Any]:
         dims = adapter.dims(hf_config)
     except (ConversionError, KeyError, TypeError, ValueError) as e:
         raise ConfigError(key, f"{source}{type(e).__name__}: {e}") from None
+    par, where = config.parallel, source.rstrip(": ") or "the model"
+    check_expert_layout(adapter, hf_config, par, where=where)
     if adapter.not_yet:
         raise ConfigError(key, f"{source}model_type {adapter.model_type!r} cannot be trained: {adapter.not_yet}")
-    par, where = config.parallel, source.rstrip(": ") or "the model"
     tp, pp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size
     for what, value in (("attention heads", dims.num_attention_heads), ("key/value heads", dims.num_query_groups)):
         if value % tp:
@@ -186,6 +188,42 @@ def _check_architecture(config: RunConfig) -> dict[str, Any]:
             f"the max_position_embeddings ({dims.max_position_embeddings}) of {where}",
         )
     return hf_config
+
+
+def check_expert_layout(adapter: Any, hf_config: dict[str, Any], par: ParallelConfig, *, where: str) -> None:
+    """Expert parallelism fits the model: a dense model takes none, a mixture-of-experts
+    model's expert count and expert width divide by EP and expert TP, and TP > 1 comes with
+    sequence parallelism (megatron-core's MoE layer routes each TP rank's slice of the
+    tokens; 0.19 refuses to train without it)."""
+    from megatron_rl.models.moe import MoEDecoderAdapter
+
+    ep, etp, tp = par.expert_model_parallel_size, par.resolved_expert_tensor_parallel_size, par.tensor_model_parallel_size
+    if not isinstance(adapter, MoEDecoderAdapter):
+        if ep > 1:
+            raise ConfigError(
+                "parallel.expert_model_parallel_size",
+                f"got {ep}; {where} (model_type {adapter.model_type!r}) has no experts: expert parallelism "
+                "needs a mixture-of-experts model",
+            )
+        return
+    moe = adapter.moe_dims(hf_config)
+    if moe.num_moe_experts % ep:
+        raise ConfigError(
+            "parallel.expert_model_parallel_size",
+            f"got {ep}; must divide the {moe.num_moe_experts} experts of {where}",
+        )
+    if moe.moe_ffn_hidden_size % etp:
+        field = "expert_tensor_parallel_size" if par.expert_tensor_parallel_size else "tensor_model_parallel_size"
+        raise ConfigError(
+            f"parallel.{field}",
+            f"got {etp}; must divide the expert width (moe_intermediate_size {moe.moe_ffn_hidden_size}) of {where}",
+        )
+    if tp > 1 and not par.sequence_parallel:
+        raise ConfigError(
+            "parallel.sequence_parallel",
+            f"got False; a mixture-of-experts model at tensor_model_parallel_size {tp} needs it (megatron-core's "
+            "MoE layer routes each tensor-parallel rank's slice of the tokens)",
+        )
 
 
 def _check_initial_weights(config: RunConfig) -> None:

@@ -368,6 +368,11 @@ class DecoderAdapter:
         """
         return _dense_mlp_units(d, layer)
 
+    def finish_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Adjust a built ``GPTModel`` of this architecture to the machine (after
+        construction, before use); returns it. Nothing for the dense decoders."""
+        return model
+
     def canonical_mcore_name(self, name: str) -> str:
         """This architecture's unit name (``WeightUnit.mcore_name``) of a GPTModel parameter
         name with a global layer index; :func:`~megatron_rl.models.weight_units.canonical_mcore_name`

@@ -95,6 +95,27 @@ def torch_gating_router() -> type:
     return TorchGatingTopKRouter
 
 
+@functools.cache
+def _host_splits_dispatcher() -> type:
+    """megatron-core's all-to-all token dispatcher handing the all-to-all its split sizes as
+    host (NumPy) arrays (see :meth:`MoEDecoderAdapter.finish_model`). Built on first use."""
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    class HostSplitsAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
+        """``MoEAlltoAllTokenDispatcher`` whose split sizes become host arrays after megatron's own host copy."""
+
+        def _maybe_dtoh_and_synchronize(self, point: str, tokens_per_expert: torch.Tensor | None = None):
+            tokens_per_expert = super()._maybe_dtoh_and_synchronize(point, tokens_per_expert)
+            if point == self.cuda_dtoh_point:
+                for name in ("input_splits", "output_splits", "output_splits_tp"):
+                    value = getattr(self, name, None)
+                    if torch.is_tensor(value) and not value.is_cuda:
+                        setattr(self, name, value.numpy())  # as megatron's host copy makes them
+            return tokens_per_expert
+
+    return HostSplitsAlltoAllTokenDispatcher
+
+
 def _with_router(mlp: Any, router: type) -> Any:
     """The MoE layer builder ``mlp`` of a layer spec with its router replaced: a
     ``ModuleSpec`` (megatron-core 0.16) or a ``functools.partial`` of ``MoELayer`` (0.19)."""
@@ -208,13 +229,11 @@ class MoEDecoderAdapter(DecoderAdapter):
 
         ``use_te``: whether the model is built with the Transformer-Engine spec (as in
         :meth:`layer_spec`; None: where TE imports on a CUDA machine), which sets
-        ``moe_grouped_gemm``. The token dispatcher is ``alltoall`` with CUDA and
-        ``allgather`` without: megatron-core 0.16.1's all-to-all dispatcher creates a
-        ``torch.cuda.Stream`` for its device-to-host copies when it is built, which a
-        CPU-only torch refuses, while the all-gather one calls no CUDA API at expert
-        parallelism 1 (and a forward at expert parallelism 2 runs on gloo under the CPU
-        shim: tests/distributed/test_convert_moe.py). (megatron rejects ``allgather`` with
-        ``variable_seq_lengths``.)
+        ``moe_grouped_gemm``. The token dispatcher is ``alltoall``, the one megatron allows
+        with ``variable_seq_lengths``; on a CPU-only torch it needs the CPU shim
+        (``megatron_rl.actor.compat.cpu_shim.apply``: it creates a CUDA side stream when
+        built), and a forward at expert parallelism 2 runs on gloo
+        (tests/distributed/test_convert_moe.py).
         """
         m = self.moe_dims(hf_config)
         if use_te is None:
@@ -240,7 +259,7 @@ class MoEDecoderAdapter(DecoderAdapter):
             # model.transformer_config_overrides to change it (0 turns it off).
             moe_router_load_balancing_type="aux_loss",
             moe_aux_loss_coeff=m.router_aux_loss_coef,
-            moe_token_dispatcher_type="alltoall" if torch.cuda.is_available() else "allgather",
+            moe_token_dispatcher_type="alltoall",
             moe_grouped_gemm=bool(use_te),
         )
         return kwargs
@@ -251,8 +270,9 @@ class MoEDecoderAdapter(DecoderAdapter):
         """The MoE decoder-layer ``ModuleSpec`` (every layer; see :class:`DecoderAdapter`).
 
         Local spec: experts are a ``SequentialMLP`` (one local-linear MLP per expert, run
-        one after the other; no grouped GEMM without TE) and the router is
-        :func:`torch_gating_router`'s (megatron-core 0.16.1's own needs TE). The layer keeps
+        one after the other; no grouped GEMM without TE), the router is
+        :func:`torch_gating_router`'s (megatron-core 0.16.1's own needs TE). Build the model,
+        then call :meth:`finish_model` on it. The layer keeps
         the pre-MLP norm under its own checkpoint key, ``decoder.layers.pre_mlp_layernorm.weight``,
         the key of megatron's TE MoE layer: megatron's local spec maps it onto
         ``mlp.linear_fc1.layer_norm_weight`` (right for a dense MLP, whose TE ``linear_fc1``
@@ -276,9 +296,32 @@ class MoEDecoderAdapter(DecoderAdapter):
         layer = spec.submodules
         keys = {k: v for k, v in layer.sharded_state_dict_keys_map.items() if k != "pre_mlp_layernorm."}
         layer = dataclasses.replace(
-            layer, mlp=_with_router(layer.mlp, torch_gating_router()), sharded_state_dict_keys_map=keys
+            layer,
+            mlp=_with_router(layer.mlp, torch_gating_router()),
+            sharded_state_dict_keys_map=keys,
         )
         return dataclasses.replace(spec, submodules=layer)
+
+    def finish_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Adjust a built ``GPTModel`` of this architecture to the machine; returns it.
+
+        On a CPU-only torch each MoE layer's all-to-all token dispatcher gets a subclass
+        that hands ``all_to_all_single`` its split sizes as NumPy arrays: megatron copies them
+        to the host with ``maybe_move_tensor_to_cpu(..., as_numpy=True)``, which converts
+        only CUDA tensors, and gloo's all-to-all refuses tensor split sizes at expert
+        parallelism > 1. The subclass only overrides that method, so switching the class of
+        megatron's dispatcher keeps its state (its constructor's arguments differ between
+        megatron-core releases). With CUDA nothing changes.
+        """
+        if torch.cuda.is_available():
+            return model
+        from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+        for module in model.modules():
+            dispatcher = getattr(module, "token_dispatcher", None)
+            if type(dispatcher) is MoEAlltoAllTokenDispatcher:
+                dispatcher.__class__ = _host_splits_dispatcher()
+        return model
 
     # -- weights -------------------------------------------------------------
 

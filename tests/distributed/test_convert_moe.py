@@ -153,9 +153,9 @@ def _load_and_forward(rank, world, results, jobs, tokens, reference):
             params_dtype=torch.float32,
             pipeline_dtype=torch.float32,
         )
-        model = GPTModel(config=config, transformer_layer_spec=adapter.layer_spec(cfg), pre_process=True,
-                         post_process=True, **adapter.gpt_model_kwargs(cfg, padded_vocab_size=padded_vocab_size(
-                             cfg["vocab_size"], tp_size=tp)))  # fmt: skip
+        model = adapter.finish_model(GPTModel(
+            config=config, transformer_layer_spec=adapter.layer_spec(cfg), pre_process=True, post_process=True,
+            **adapter.gpt_model_kwargs(cfg, padded_vocab_size=padded_vocab_size(cfg["vocab_size"], tp_size=tp))))  # fmt: skip
         state = dist_checkpointing.load(model.sharded_state_dict(), job["mcore_dir"], strict="raise_all")
         model.load_state_dict(state)
         model.eval()

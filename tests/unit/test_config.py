@@ -224,6 +224,23 @@ def test_parallel_sizes():
     ParallelConfig(num_actor_ranks=2, tensor_model_parallel_size=2, sequence_parallel=True)
 
 
+def test_expert_parallel_sizes():
+    """Megatron builds the expert groups over the same ranks as the dense layers: EP * ETP * PP
+    must divide the ranks; expert TP other than TP is refused until the sync gathers it."""
+    par = ParallelConfig(num_actor_ranks=4, expert_model_parallel_size=4)
+    assert par.resolved_data_parallel_size == 4 and par.resolved_expert_tensor_parallel_size == 1
+    ParallelConfig(num_actor_ranks=8, tensor_model_parallel_size=2, expert_model_parallel_size=2, sequence_parallel=True)
+    with pytest.raises(ConfigError, match="ETP \\* EP \\* PP = 8") as info:
+        ParallelConfig(num_actor_ranks=4, pipeline_model_parallel_size=2, expert_model_parallel_size=4)
+    assert info.value.path == "expert_model_parallel_size"
+    with pytest.raises(ConfigError, match="only the tensor-parallel size \\(2\\)") as info:
+        ParallelConfig(num_actor_ranks=4, tensor_model_parallel_size=2, expert_tensor_parallel_size=1)
+    assert info.value.path == "expert_tensor_parallel_size"
+    with pytest.raises(ConfigError) as info:
+        ParallelConfig(expert_model_parallel_size=0)
+    assert info.value.path == "expert_model_parallel_size"
+
+
 def test_section_built_in_python_is_checked_with_relative_path():
     with pytest.raises(ConfigError) as info:
         RolloutConfig(top_k=-5)

@@ -67,7 +67,7 @@ def test_transformer_config_kwargs_build_a_megatron_moe_config(variant):
     assert config.moe_router_score_function == "softmax" and config.moe_router_topk_scaling_factor is None
     assert config.moe_router_load_balancing_type == "aux_loss" and config.moe_aux_loss_coeff == cfg.router_aux_loss_coef
     assert config.moe_shared_expert_intermediate_size is None and config.moe_layer_freq == 1
-    assert config.moe_token_dispatcher_type == ("alltoall" if torch.cuda.is_available() else "allgather")
+    assert config.moe_token_dispatcher_type == "alltoall"  # the one megatron allows with variable lengths
     assert config.moe_grouped_gemm is False and adapter.transformer_config_kwargs(cfg, use_te=True)["moe_grouped_gemm"]
     assert config.ffn_hidden_size == 96 and config.kv_channels == 16 and config.qk_layernorm
     assert not config.add_bias_linear and not config.add_qkv_bias and config.gated_linear_unit
@@ -305,6 +305,32 @@ def test_unit_keys_are_the_gpt_models_checkpoint_keys(variant, megatron, hf_dirs
     assert keys["decoder.layers.pre_mlp_layernorm.weight"] == (2, 64)
     assert keys["decoder.layers.mlp.router.weight"] == (2, 4, 64)
     assert keys["decoder.layers.mlp.experts.experts.linear_fc2.weight"] == (2, 4, 64, 32)
+
+
+@pytest.mark.parametrize(
+    ("model", "sizes", "field", "message"),
+    [
+        ("qwen3", dict(num_actor_ranks=2, expert_model_parallel_size=2), "expert_model_parallel_size", "has no experts"),
+        ("qwen3_moe", dict(num_actor_ranks=8, expert_model_parallel_size=8), "expert_model_parallel_size",
+         "must divide the 4 experts"),
+        ("qwen3_moe", dict(num_actor_ranks=2, tensor_model_parallel_size=2), "sequence_parallel", "needs it"),
+        ("qwen3_moe", dict(num_actor_ranks=64, tensor_model_parallel_size=64, sequence_parallel=True),
+         "tensor_model_parallel_size", r"must divide the expert width \(moe_intermediate_size 32\)"),
+    ],
+)  # fmt: skip
+def test_the_expert_layout_is_checked_against_the_model(hf_dirs, model, sizes, field, message):
+    from megatron_rl.config.lib import ConfigError
+    from megatron_rl.config.parallel import ParallelConfig
+    from megatron_rl.loop.preflight import check_expert_layout
+    from tests.helpers.tiny_hf import save_model
+
+    directory = hf_dirs.get(model) or save_model(model, hf_dirs["qwen3_moe"].parent / model, seed=0)
+    cfg, _ = _saved(directory)
+    with pytest.raises(ConfigError, match=message) as info:
+        check_expert_layout(get_adapter(model), cfg, ParallelConfig(**sizes), where="the model")
+    assert info.value.path == f"parallel.{field}"
+    check_expert_layout(get_adapter("qwen3_moe"), _saved(hf_dirs["qwen3_moe"])[0],
+                        ParallelConfig(num_actor_ranks=4, expert_model_parallel_size=4), where="the model")  # fmt: skip
 
 
 def test_training_refuses_moe_until_the_actor_handles_it_and_conversion_does_not(hf_dirs, tmp_path):

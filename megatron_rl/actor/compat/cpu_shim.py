@@ -19,9 +19,11 @@ replaces exactly these entry points, and nothing in Megatron's model code:
     it, so dropout forks would silently share one stream.
   * ``torch.cuda.Event`` becomes a wall-clock stand-in (timing in the inference
     controller); the original raises when instantiated.
-  * plus the stand-ins that only some megatron-core releases need, from
-    ``megatron_rl.actor.compat.versions.cpu_cuda_stubs()`` (0.19+: ``torch.cuda.current_stream``,
-    which DDP's gradient sync calls on every step).
+  * ``torch.cuda.Stream``, ``torch.cuda.current_stream`` and ``torch.cuda.stream`` become
+    one stand-in stream that has nothing to wait for (a CPU runs one stream): the
+    mixture-of-experts all-to-all token dispatcher creates a side stream when it is built
+    and copies its split sizes to the host on it; megatron-core 0.19's DDP gradient sync
+    asks for the current stream on every step.
 
 ``cuda_to_cpu()`` (a context manager, scoped): a ``TorchFunctionMode`` that rewrites
 ``device="cuda"`` in factory calls, makes ``Tensor.cuda()`` / ``Tensor.to("cuda")``
@@ -103,6 +105,9 @@ def apply() -> bool:
     torch.cuda.random.get_rng_state = torch.cuda.get_rng_state
     torch.cuda.manual_seed = lambda seed: torch.manual_seed(seed)
     torch.cuda.Event = _WallClockEvent
+    torch.cuda.Stream = _null_stream
+    torch.cuda.current_stream = _null_stream
+    torch.cuda.stream = _null_stream_context
 
     # Imported here: megatron-core is heavy and this module must stay cheap to import.
     from megatron.core.tensor_parallel import random as megatron_random
@@ -116,13 +121,47 @@ def apply() -> bool:
 
     megatron_random._get_cuda_rng_state = get_rng_state
     megatron_random._set_cuda_rng_state = set_rng_state
-
-    from megatron_rl.actor.compat import versions as mcore_compat
-
-    for name, stub in mcore_compat.cpu_cuda_stubs().items():
-        setattr(torch.cuda, name, stub)
     _applied = True
     return True
+
+
+class _NullStream:
+    """Stand-in for ``torch.cuda.Stream`` on a CPU-only torch: every operation has completed
+    when it returns, so there is nothing to wait for or record."""
+
+    def wait_event(self, event: Any) -> None:
+        pass
+
+    def wait_stream(self, stream: Any) -> None:
+        pass
+
+    def record_event(self, event: Any = None) -> Any:
+        """``event`` (a new one when None), recorded: the all-to-all dispatcher waits on it."""
+        event = _WallClockEvent() if event is None else event
+        event.record()
+        return event
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def __repr__(self) -> str:
+        return "<megatron_rl CPU stand-in for torch.cuda.Stream>"
+
+
+NULL_STREAM = _NullStream()
+"""The CPU's one stream: what ``torch.cuda.Stream(...)`` and ``current_stream()`` return under the shim."""
+
+
+def _null_stream(*args: Any, **kwargs: Any) -> _NullStream:
+    return NULL_STREAM
+
+
+def _null_stream_context(stream: Any = None) -> contextlib.AbstractContextManager:
+    """``torch.cuda.stream(s)``: nothing to switch to."""
+    return contextlib.nullcontext()
 
 
 def _is_cuda_device(device: Any) -> bool:

@@ -27,10 +27,10 @@ What changed, release by release (only what megatron_rl runs into):
     ``torch.cuda.current_stream()`` on every call, to wait for CUDA-graph weight-gradient
     events that a parameter may carry, even when none does. On a CPU-only torch that
     raises ``AssertionError: Torch not compiled with CUDA enabled``; the CPU shim
-    (``megatron_rl.actor.compat.cpu_shim.apply``) installs the stand-ins of
-    :func:`cpu_cuda_stubs`, a stream whose waits do nothing (on a CPU every operation
-    has finished when it returns). Nothing of megatron is patched, and a CUDA process is
-    never touched.
+    (``megatron_rl.actor.compat.cpu_shim.apply``) installs, for every release, a stream
+    stand-in whose waits do nothing (on a CPU every operation has finished when it
+    returns; the mixture-of-experts token dispatcher of every release needs it too).
+    Nothing of megatron is patched, and a CUDA process is never touched.
     Notices only, no change in results: ``GPTModel`` prints that it is deprecated in
     favour of ``HybridModel``, and DDP that it computes the DistributedOptimizer's
     parameter layout itself (``full_param_layout`` not given).
@@ -43,7 +43,6 @@ be imported).
 from __future__ import annotations
 
 import functools
-from typing import Any
 
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
@@ -52,7 +51,6 @@ __all__ = [
     "SUPPORTED",
     "TRITON_REQUIREMENT",
     "at_least",
-    "cpu_cuda_stubs",
     "extra_requirements",
     "is_supported",
     "mcore_version",
@@ -66,7 +64,6 @@ TRITON_REQUIREMENT = "triton==3.8.0"
 one is the pin the CI check installs)."""
 
 _TRITON_SINCE = Version("0.18.0")
-_CURRENT_STREAM_SINCE = Version("0.19.0")
 
 
 @functools.cache
@@ -98,46 +95,3 @@ def extra_requirements(installed: str | Version) -> tuple[str, ...]:
     if at_least(_TRITON_SINCE, installed=installed):
         return (TRITON_REQUIREMENT,)
     return ()
-
-
-class _NullStream:
-    """Stand-in for ``torch.cuda.Stream`` on a CPU-only torch: every operation has completed
-    when it returns, so there is nothing to wait for or record."""
-
-    def wait_event(self, event: Any) -> None:
-        pass
-
-    def wait_stream(self, stream: Any) -> None:
-        pass
-
-    def record_event(self, event: Any = None) -> Any:
-        return event
-
-    def synchronize(self) -> None:
-        pass
-
-    def query(self) -> bool:
-        return True
-
-    def __repr__(self) -> str:
-        return "<megatron_rl CPU stand-in for torch.cuda.Stream>"
-
-
-_NULL_STREAM = _NullStream()
-
-
-def _current_stream(device: Any = None) -> _NullStream:
-    return _NULL_STREAM
-
-
-def cpu_cuda_stubs() -> dict[str, Any]:
-    """``{torch.cuda attribute: stand-in}`` that the CPU shim must install, beyond the ones
-    every supported release needs, for the megatron-core in use to run on a CPU-only torch.
-
-    0.16-0.18: none. 0.19+: ``current_stream`` (DDP's gradient sync asks for it on every
-    call). The caller installs them only where CUDA is unavailable.
-    """
-    stubs: dict[str, Any] = {}
-    if at_least(_CURRENT_STREAM_SINCE):
-        stubs["current_stream"] = _current_stream
-    return stubs

@@ -1,0 +1,67 @@
+"""The mixture-of-experts actor (tiny Qwen3-MoE, 4 experts, top-2) on CPU/gloo, one 2-rank
+torchrun job (tests/helpers/actor_moe_worker.py): expert parallelism 2 equals 1 on the same
+batch (log-probs, losses, the router's load-balancing loss, gradients, updated weights);
+without the load-balancing term TP = 2 with sequence parallelism and PP = 2 (one replica)
+equal EP (two replicas); the reported load-balancing loss and the term it adds to the
+objective match a float64 computation from the routers' inputs; data-parallel ranks with
+different micro-batch counts run fillers at EP = 2 and still equal EP = 1.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.helpers.actor_job import REPO, run_actor_job
+
+WORKER = REPO / "tests" / "helpers" / "actor_moe_worker.py"
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("actor_moe")
+    reports, _, _ = run_actor_job(WORKER, ("qwen3_moe",), root, timeout_s=900, nproc=2)
+    assert reports[1]["ep2_vs_ep1"] == reports[0]["ep2_vs_ep1"]  # every rank reports the same
+    return reports[0]
+
+
+def _same(case: dict, *, tol: float = TOL) -> None:
+    assert case["logp"] <= tol, case
+    for key, (a, b) in case["metrics"].items():
+        if b is None:
+            assert a is None, (key, case)
+            continue
+        assert abs(a - b) <= tol * max(1.0, abs(b)), (key, case)
+    assert case["weights"] <= tol, case
+    if "grads" in case:
+        assert case["grads"] <= tol * max(1.0, case["grad_scale"]), case
+
+
+def test_expert_parallel_2_equals_1_with_the_load_balancing_loss(report):
+    case = report["ep2_vs_ep1"]
+    _same(case)
+    assert case["metrics"]["moe/load_balancing_loss"][1] > 1.0  # a real term (1 = perfect balance)
+    assert case["metrics"]["loss/moe_aux"][1] > 0.0
+
+
+def test_the_reported_router_loss_matches_float64_from_the_routers_inputs(report):
+    mean, term = report["reference_aux"]
+    metrics = report["ep1_metrics"]
+    assert metrics["moe/load_balancing_loss"] == pytest.approx(mean, rel=1e-5)
+    assert metrics["loss/moe_aux"] == pytest.approx(term, rel=1e-5)
+
+
+@pytest.mark.parametrize("layout", ["ep2", "tp2_sp", "pp2"])
+def test_layouts_agree_without_the_load_balancing_term(report, layout):
+    _same(report["no_aux"][layout])
+
+
+def test_no_router_loss_is_reported_when_its_coefficient_is_zero(report):
+    assert report["no_aux"]["aux_metrics"] == {"loss/moe_aux": 0.0}
+
+
+def test_data_parallel_ranks_with_fewer_microbatches_run_fillers_that_change_nothing(report):
+    case = report["uneven"]
+    (long, short) = case["microbatches"]  # rows per micro-batch on DP ranks 0 and 1; 0 is a filler
+    assert 0 not in long and len(long) == len(short) and 0 in short, case["microbatches"]
+    _same(case["ep2_vs_ep1"])

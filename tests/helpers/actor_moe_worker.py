@@ -1,0 +1,182 @@
+"""torchrun worker for tests/distributed/test_actor_moe.py: the mixture-of-experts actor at
+expert, tensor and pipeline parallelism on CPU/gloo, in ONE 2-rank job.
+
+Usage::
+
+    torchrun --standalone --nproc_per_node 2 tests/helpers/actor_moe_worker.py SPEC.json OUT_DIR
+
+``SPEC.json``: ``{"variants": {"qwen3_moe": {"hf_dir", ...}}}``. Each rank writes
+``OUT_DIR/rank<r>.json``. Megatron imports stay under the ``__main__`` guard.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+N, L, PROMPT = 8, 20, 5
+AUX_COEFF = 0.05
+"""Larger than Qwen3-MoE's 0.001, so that the load-balancing term moves the weights visibly."""
+
+
+def make_batch(vocab: int, *, uneven: bool = False):
+    """A padded batch (random lengths), or with ``uneven`` one whose even rows (data-parallel
+    rank 0's) are long and odd rows short, so that rank 0 needs more micro-batches."""
+    import torch
+
+    from megatron_rl.actor.batch import ActorBatch
+
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, vocab, (N, L), generator=g)
+    if uneven:
+        lengths = torch.tensor([L if i % 2 == 0 else PROMPT + 3 for i in range(N)])
+    else:
+        lengths = torch.randint(PROMPT + 3, L + 1, (N,), generator=g)
+        lengths[0] = L
+    attn = (torch.arange(L)[None] < lengths[:, None]).long()
+    loss_mask = attn.clone()
+    loss_mask[:, :PROMPT] = 0
+    advantages = torch.randn(N, 1, generator=g).expand(N, L).clone()
+    noise = torch.randn(2, N, L, generator=g) * 0.3
+    return ActorBatch(input_ids=ids, attention_mask=attn, loss_mask=loss_mask, advantages=advantages), noise
+
+
+def run(spec: dict) -> dict:
+    from dataclasses import replace
+
+    import torch
+    import torch.distributed as dist
+
+    from megatron_rl.actor.actor import MegatronActor
+    from megatron_rl.actor.launch import initialize_parallel_from
+    from megatron_rl.actor.spec import ActorSpec
+    from megatron_rl.actor.weights import global_parameters
+    from megatron_rl.algo import AlgorithmConfig
+    from megatron_rl.config.model import ModelOptions
+    from megatron_rl.config.parallel import ParallelConfig
+    from megatron_rl.config.rollout import RolloutConfig
+    from megatron_rl.config.trainer import ActorConfig, TrainerConfig
+
+    world = dist.get_world_size()
+    hf_dir = spec["variants"]["qwen3_moe"]["hf_dir"]
+
+    def train(tp=1, pp=1, ep=1, *, aux=AUX_COEFF, uneven=False, capture=False) -> dict:
+        """Load the HF weights, compute log-probs, take one step: what the test compares."""
+        parallel = ParallelConfig(num_actor_ranks=world, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                  expert_model_parallel_size=ep, sequence_parallel=tp > 1)  # fmt: skip
+        s = ActorSpec(
+            architecture=hf_dir,
+            parallel=parallel,
+            model=ModelOptions(transformer_config_overrides={"moe_aux_loss_coeff": aux}),
+            trainer=TrainerConfig(lr=1e-3, adam_eps=1e-4, max_tokens_per_microbatch=64),
+            rollout=RolloutConfig(temperature=0.7),
+            actor=ActorConfig(use_distributed_optimizer=False),
+            algorithm=AlgorithmConfig(kl_coef=0.05),
+        )
+        actor = MegatronActor(s, groups=initialize_parallel_from(parallel, seed=s.trainer.seed))
+        actor.load_hf_weights(hf_dir)
+        batch, noise = make_batch(actor.vocab_size, uneven=uneven)
+        lp = actor.compute_logprobs(batch)
+        losses: list = []
+        if capture:  # each training forward's load-balancing loss in float64, from its router's input
+            for router in actor.router_losses.routers:
+                router.register_forward_pre_hook(
+                    lambda m, args: losses.append(reference_loss(m, args[0])) if m.training else None
+                )
+        local_mbs = actor._microbatches(batch.select(actor._local_rows(batch.num_sequences)))
+        metrics = actor.train_step(replace(batch, old_logp=lp.logp + noise[0], ref_logp=lp.logp + noise[1]))
+        out = {
+            "logp": lp.logp,
+            "metrics": metrics,
+            "weights": dict(actor.iter_hf_weights(bucket_bytes=1 << 20)),
+            "microbatches": [len(mb.rows) for mb in local_mbs],  # this rank's; 0: a filler
+        }
+        if tp == 1 and pp == 1:  # every rank's full gradients, by global name (experts: where they live)
+            grads = {n: p.main_grad.detach().double().clone() for n, p in global_parameters(actor.model, actor.adapter).items()}
+            everyone: list = [None] * world
+            dist.all_gather_object(everyone, grads)
+            out["grads"] = {n: g for part in everyone for n, g in part.items()}
+        if capture:
+            out["reference_aux"] = reference_aux(losses, int(batch.loss_mask[:, 1:].sum()), aux)
+        return out
+
+    def reference_loss(router, x: torch.Tensor) -> tuple[float, int]:
+        """``(E * sum_i f_i P_i, tokens)`` of one router call (the weights at forward time):
+        f_i the share of the k routed slots that went to expert i, P_i its mean probability."""
+        x = x.detach().double().reshape(-1, x.shape[-1])
+        scores = torch.softmax(x @ router.weight.detach().double().t(), dim=-1)
+        k, experts = router.topk, scores.shape[-1]
+        chosen = torch.zeros_like(scores).scatter(1, scores.topk(k, dim=1).indices, 1.0)
+        f = chosen.sum(0) / (x.shape[0] * k)
+        return float(experts * (f * scores.mean(0)).sum()), x.shape[0]
+
+    def reference_aux(losses: list, count: int, coeff: float) -> tuple[float, float]:
+        """``(mean load-balancing loss per layer and micro-batch, coeff * sum loss * tokens / count)``
+        summed over the ranks (data-parallel here)."""
+        sums = torch.tensor([sum(v for v, _ in losses), sum(v * t for v, t in losses), float(len(losses))],
+                            dtype=torch.float64)  # fmt: skip
+        dist.all_reduce(sums)
+        return float(sums[0] / sums[2]), coeff * float(sums[1]) / count
+
+    def diff(a: dict, b: dict) -> float:
+        assert a.keys() == b.keys()
+        return max(float((a[k].double() - b[k].double()).abs().max()) for k in a)
+
+    def compare(a: dict, b: dict) -> dict:
+        keys = ("loss/total", "loss/moe_aux", "moe/load_balancing_loss", "actor/grad_norm")
+        out = {
+            "logp": float((a["logp"] - b["logp"]).abs().max()),
+            "metrics": {k: [a["metrics"].get(k), b["metrics"].get(k)] for k in keys},
+            "weights": diff(a["weights"], b["weights"]),
+        }
+        if "grads" in a and "grads" in b:
+            out["grads"] = diff(a["grads"], b["grads"])
+            out["grad_scale"] = max(float(g.abs().max()) for g in b["grads"].values())
+        return out
+
+    report: dict = {}
+    ep1 = train(capture=True)
+    report["reference_aux"] = ep1["reference_aux"]
+    report["ep1_metrics"] = {k: v for k, v in ep1["metrics"].items() if k.startswith(("loss/", "moe/"))}
+    report["ep2_vs_ep1"] = compare(train(ep=2), ep1)
+    # Without the load-balancing term the data-parallel split does not matter either
+    # (global token normalisation): TP and PP (one replica) equal EP (two replicas).
+    plain = train(aux=0.0)
+    report["no_aux"] = {
+        "ep2": compare(train(ep=2, aux=0.0), plain),
+        "tp2_sp": compare(train(tp=2, aux=0.0), plain),
+        "pp2": compare(train(pp=2, aux=0.0), plain),
+        "aux_metrics": {k: v for k, v in plain["metrics"].items() if k.startswith(("loss/moe", "moe/"))},
+    }
+    uneven_ep1 = train(uneven=True)
+    uneven_ep2 = train(ep=2, uneven=True)
+    per_rank: list = [None] * world
+    dist.all_gather_object(per_rank, uneven_ep2["microbatches"])
+    report["uneven"] = {"ep2_vs_ep1": compare(uneven_ep2, uneven_ep1), "microbatches": per_rank}
+    return report
+
+
+if __name__ == "__main__":
+    import json
+    import sys
+
+    import torch
+
+    from megatron_rl.actor.launch import init_process_group
+
+    init_process_group()
+    spec = json.loads(Path(sys.argv[1]).read_text())
+    out = Path(sys.argv[2])
+    result = run(spec)
+
+    def plain(value):
+        if isinstance(value, torch.Tensor):
+            return value.tolist()
+        if isinstance(value, dict):
+            return {k: plain(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [plain(v) for v in value]
+        return value
+
+    (out / f"rank{os.environ['RANK']}.json").write_text(json.dumps(plain(result)))
+    torch.distributed.destroy_process_group()
