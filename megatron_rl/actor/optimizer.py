@@ -233,18 +233,27 @@ def load_optimizer_state(optimizer, state: dict) -> None:
     copies every key of the per-parameter state, ``step`` included, from tensors that
     never contain ``step`` (``KeyError: 'step'``). For that format the two halves of
     ``DistributedOptimizer.load_state_dict`` are called here in turn, with ``step`` held
-    out of the state during the second; the step is restored by the caller. Megatron's
-    own methods only, nothing patched.
+    out of the state during the second; the step is restored by the caller. A
+    ``ChainedOptimizer`` (expert parameters apart, at expert parallelism > 1) gets its
+    parts' states in its own order (``chained_<i>``). Megatron's own methods only,
+    nothing patched.
     """
     parts = chained(optimizer)
-    if (
-        len(parts) != 1
-        or not isinstance(state, dict)
-        or state.get("param_state_sharding_type") != "fully_reshardable"
-    ):
-        optimizer.load_state_dict(state)
+    if len(parts) == 1:
+        states = [state]
+    else:
+        states = [v for _, v in sorted(state.items())] if isinstance(state, dict) else list(state)
+        if len(states) != len(parts):
+            raise RuntimeError(f"the optimizer has {len(parts)} parts, its saved state {len(states)}")
+    for opt, part in zip(parts, states):
+        _load_part_state(opt, part)
+
+
+def _load_part_state(opt, state: dict) -> None:
+    """One megatron optimizer's ``load_state_dict`` (see :func:`load_optimizer_state`)."""
+    if not isinstance(state, dict) or state.get("param_state_sharding_type") != "fully_reshardable":
+        opt.load_state_dict(state)
         return
-    (opt,) = parts
     rest = {k: v for k, v in state.items() if k not in ("param_state", "param_state_sharding_type")}
     opt.load_state_dict(rest)  # torch optimizer skeleton, param groups, grad scaler
     held = {}

@@ -4,7 +4,8 @@ batch (log-probs, losses, the router's load-balancing loss, gradients, updated w
 without the load-balancing term TP = 2 with sequence parallelism and PP = 2 (one replica)
 equal EP (two replicas); the reported load-balancing loss and the term it adds to the
 objective match a float64 computation from the routers' inputs; data-parallel ranks with
-different micro-batch counts run fillers at EP = 2 and still equal EP = 1.
+different micro-batch counts run fillers at EP = 2 and still equal EP = 1; a checkpoint
+saved at EP = 2 resumes at EP = 2 like not stopping, and at EP = 1 with fresh Adam moments.
 """
 
 from __future__ import annotations
@@ -65,3 +66,22 @@ def test_data_parallel_ranks_with_fewer_microbatches_run_fillers_that_change_not
     (long, short) = case["microbatches"]  # rows per micro-batch on DP ranks 0 and 1; 0 is a filler
     assert 0 not in long and len(long) == len(short) and 0 in short, case["microbatches"]
     _same(case["ep2_vs_ep1"])
+
+
+@pytest.mark.parametrize("sharding", ["fully_reshardable", "dp_reshardable"])
+def test_a_checkpoint_saved_at_ep2_resumes_at_ep2_like_not_stopping(report, sharding):
+    case = report["resume"][f"{sharding}_ep2"]
+    assert case["loaded_optimizer"] is True
+    assert case["loss"][0] == pytest.approx(case["loss"][1], rel=TOL)
+    assert case["weights"] <= TOL, case
+
+
+@pytest.mark.parametrize("sharding", ["fully_reshardable", "dp_reshardable"])
+def test_at_ep1_it_resumes_the_weights_and_restarts_adam(report, sharding):
+    """megatron keeps the expert parameters' Adam state in a second optimizer at EP > 1, so
+    the state does not map onto EP = 1's one optimizer: weights, counters and schedule load,
+    Adam starts fresh (a warning says why)."""
+    case = report["resume"][f"{sharding}_ep1"]
+    assert case["loaded_optimizer"] is False
+    assert case["loss"][0] == pytest.approx(case["loss"][1], rel=TOL)  # the same weights before the step
+    assert case["weights"] > 10 * TOL  # Adam restarted: another update

@@ -60,8 +60,7 @@ def run(spec: dict) -> dict:
     world = dist.get_world_size()
     hf_dir = spec["variants"]["qwen3_moe"]["hf_dir"]
 
-    def train(tp=1, pp=1, ep=1, *, aux=AUX_COEFF, uneven=False, capture=False) -> dict:
-        """Load the HF weights, compute log-probs, take one step: what the test compares."""
+    def build(tp=1, pp=1, ep=1, *, aux=AUX_COEFF, **actor_options) -> MegatronActor:
         parallel = ParallelConfig(num_actor_ranks=world, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                   expert_model_parallel_size=ep, sequence_parallel=tp > 1)  # fmt: skip
         s = ActorSpec(
@@ -70,10 +69,18 @@ def run(spec: dict) -> dict:
             model=ModelOptions(transformer_config_overrides={"moe_aux_loss_coeff": aux}),
             trainer=TrainerConfig(lr=1e-3, adam_eps=1e-4, max_tokens_per_microbatch=64),
             rollout=RolloutConfig(temperature=0.7),
-            actor=ActorConfig(use_distributed_optimizer=False),
+            actor=ActorConfig(**({"use_distributed_optimizer": False} | actor_options)),
             algorithm=AlgorithmConfig(kl_coef=0.05),
         )
-        actor = MegatronActor(s, groups=initialize_parallel_from(parallel, seed=s.trainer.seed))
+        return MegatronActor(s, groups=initialize_parallel_from(parallel, seed=s.trainer.seed))
+
+    def rl_batch(actor, batch, noise):
+        lp = actor.compute_logprobs(batch)
+        return replace(batch, old_logp=lp.logp + noise[0], ref_logp=lp.logp + noise[1])
+
+    def train(tp=1, pp=1, ep=1, *, aux=AUX_COEFF, uneven=False, capture=False) -> dict:
+        """Load the HF weights, compute log-probs, take one step: what the test compares."""
+        actor = build(tp, pp, ep, aux=aux)
         actor.load_hf_weights(hf_dir)
         batch, noise = make_batch(actor.vocab_size, uneven=uneven)
         lp = actor.compute_logprobs(batch)
@@ -150,6 +157,30 @@ def run(spec: dict) -> dict:
     }
     uneven_ep1 = train(uneven=True)
     uneven_ep2 = train(ep=2, uneven=True)
+    # Checkpoints saved at EP = 2 after one step, in both optimizer formats: resumed at
+    # EP = 2 the second step equals the one taken without stopping; at EP = 1 (one
+    # optimizer instead of megatron's dense + expert pair) the weights load, Adam restarts.
+    work = Path(spec["work_dir"])
+    batch, noise = make_batch(250)
+    resumes = {}
+    for sharding in ("fully_reshardable", "dp_reshardable"):
+        options = dict(use_distributed_optimizer=True, checkpoint_optimizer_sharding=sharding)
+        actor = build(ep=2, **options)
+        actor.load_hf_weights(hf_dir)
+        actor.train_step(rl_batch(actor, batch, noise))
+        actor.save_checkpoint(work / sharding / "step_1")
+        second = actor.train_step(rl_batch(actor, batch, noise))
+        straight = dict(actor.iter_hf_weights(bucket_bytes=1 << 20))
+        for ep in (1, 2):
+            resumed = build(ep=ep, **options)
+            record = resumed.load_checkpoint(work / sharding)
+            metrics = resumed.train_step(rl_batch(resumed, batch, noise))
+            resumes[f"{sharding}_ep{ep}"] = {
+                "loaded_optimizer": record["loaded_optimizer"],
+                "loss": [metrics["loss/total"], second["loss/total"]],
+                "weights": diff(dict(resumed.iter_hf_weights(bucket_bytes=1 << 20)), straight),
+            }
+    report["resume"] = resumes
     per_rank: list = [None] * world
     dist.all_gather_object(per_rank, uneven_ep2["microbatches"])
     report["uneven"] = {"ep2_vs_ep1": compare(uneven_ep2, uneven_ep1), "microbatches": per_rank}

@@ -74,6 +74,7 @@ from megatron_rl.actor.launch import ProcessGroups
 from megatron_rl.actor.optimizer import (
     adam_settings,
     adam_step,
+    chained,
     init_adam_state,
     is_distributed,
     load_optimizer_state,
@@ -263,6 +264,7 @@ def _write(final: Path, tmp: Path, *, model, optimizer, groups, actor_state, hf_
             "format": _FORMAT,
             "layout": _layout(groups),
             **({} if recorded is None else {"optimizer_sharding": recorded}),
+            **({} if optimizer is None else {"optimizer_parts": len(chained(optimizer))}),
             **adam_settings(optimizer),
             **actor_state,
         }
@@ -295,7 +297,12 @@ def _write(final: Path, tmp: Path, *, model, optimizer, groups, actor_state, hf_
 
 
 def _layout(groups: ProcessGroups) -> dict[str, int]:
-    return {"tp": groups.tp_size, "pp": groups.pp_size, "dp": groups.dp_size}
+    return {"tp": groups.tp_size, "pp": groups.pp_size, "dp": groups.dp_size, "ep": groups.ep_size}
+
+
+def _model_layout(layout: dict[str, int]) -> tuple[int, int, int]:
+    """``(TP, PP, EP)`` of a recorded layout (checkpoints from before expert parallelism: EP 1)."""
+    return layout["tp"], layout["pp"], layout.get("ep", 1)
 
 
 def load_checkpoint(
@@ -325,7 +332,7 @@ def load_checkpoint(
     saved_layout = record.get("layout")
     here = _layout(groups)
     sharding = record.get("optimizer_sharding")  # None: no optimizer state saved
-    same_model_layout = saved_layout is not None and all(saved_layout[k] == here[k] for k in ("tp", "pp"))
+    same_model_layout = saved_layout is not None and _model_layout(saved_layout) == _model_layout(here)
     why_not = None  # why this optimizer cannot take the saved state
     saved_distributed = sharding != REPLICATED
     if sharding is not None and optimizer is not None and saved_distributed != is_distributed(optimizer):
@@ -334,10 +341,19 @@ def load_checkpoint(
             f"it was written by the {kind[saved_distributed]} optimizer and this actor uses the "
             f"{kind[not saved_distributed]} one (actor.use_distributed_optimizer)"
         )
+    elif sharding is not None and optimizer is not None and record.get("optimizer_parts", 1) != len(chained(optimizer)):
+        # megatron keeps expert parameters in a second optimizer at expert parallelism > 1
+        # (a ChainedOptimizer, whose state keys carry the part): EP 1 <-> EP > 1 renames them.
+        why_not = (
+            f"it was written by a megatron optimizer of {record.get('optimizer_parts', 1)} part(s) and this actor's "
+            f"has {len(chained(optimizer))} (expert parallelism 1 and > 1 keep the expert parameters' state apart "
+            "differently)"
+        )
     elif sharding is not None and not (same_model_layout or sharding in _MODEL_RESHARDABLE):
         why_not = (
-            f"it was written at TP={saved_layout['tp']} PP={saved_layout['pp']} and is '{sharding}', "
-            f"which does not reshard to TP={here['tp']} PP={here['pp']}"
+            "it was written at TP={} PP={} EP={} and is '{}', which does not reshard to TP={} PP={} EP={}".format(
+                *_model_layout(saved_layout), sharding, *_model_layout(here)
+            )
         )
     if load_optimizer is None:
         load_optimizer = optimizer is not None and sharding is not None and why_not is None
@@ -380,7 +396,7 @@ def load_checkpoint(
                 # Master weights (fp32 copies of bf16 params) must follow the new weights.
                 optimizer.reload_model_params()
     rng_file = path / "rng" / f"rank{dist.get_rank()}.pt"
-    if load_rng and saved_layout == here and rng_file.is_file():
+    if load_rng and saved_layout is not None and {"ep": 1, **saved_layout} == here and rng_file.is_file():
         rng = load_rng_file(rng_file)
         if rng is not None:
             set_rng_state(rng)
