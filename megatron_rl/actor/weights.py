@@ -188,16 +188,19 @@ def iter_hf_weight_buckets(
     that sends a weight sync) receives full tensors: the owning stage's TP ranks gather to
     their TP rank 0, which sends the unit to stage 0 point to point; every other rank
     yields nothing, and the ranks of other DP replicas take part in nothing (they hold
-    the same weights). A sync then costs one unit's full tensor on the sending rank and
-    nothing beyond its shards elsewhere.
+    the same weights), except, at expert parallelism > 1, those of replica 0's
+    expert-parallel group, which send the experts they hold to rank 0 the same way. A
+    sync then costs one unit's full tensor on the sending rank and nothing beyond its
+    shards elsewhere. Without ``to_first_rank``, an expert held by another expert-parallel
+    rank is broadcast over ``groups.ep`` from the rank that holds it.
     """
     if bucket_bytes < 1:
         raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
-    if to_first_rank and groups.ep_size > 1:
-        # The experts of a layer are spread over ranks of other DP replicas, which the
-        # first-rank path leaves out.
-        raise NotImplementedError("weight sync to the first rank at expert parallelism > 1 is not built yet")
-    if to_first_rank and groups.dp_rank != 0:
+    # At expert parallelism > 1 a layer's experts live on ranks of several DP replicas: the
+    # expert-parallel group of DP replica 0 (the "first copy") sends them; its ranks in
+    # other replicas take part in expert units only.
+    first_copy = groups.ep_size > 1 and _in_first_expert_copy(groups)
+    if to_first_rank and groups.dp_rank != 0 and not first_copy:
         return
     local = global_parameters(model, adapter)
     owners = _ownership(local, groups)
@@ -212,10 +215,16 @@ def iter_hf_weight_buckets(
         if key not in owners:
             raise KeyError(f"no pipeline stage holds '{unit.mcore_name}' (model and HF config disagree?)")
         stage, dtype = owners[key]
-        if split:
+        if split and to_first_rank:
+            full = _expert_on_first_rank(unit, local, stage, dtype, device, groups, gated_linear_unit)
+            if full is None:
+                continue
+        elif split:
             full = _expert_on_ep_group(unit, local, stage, dtype, device, groups, gated_linear_unit)
             if groups.pp_size > 1:
                 dist.broadcast(full, src=groups.pp_global_ranks[stage], group=groups.pp)
+        elif to_first_rank and groups.dp_rank != 0:
+            continue  # a first-copy expert rank of another replica: dense units come from replica 0
         elif to_first_rank:
             full = _unit_on_first_rank(unit, local, stage, dtype, device, groups, gated_linear_unit)
             if full is None:
@@ -263,6 +272,38 @@ def _expert_on_ep_group(
     else:
         full = torch.empty(unit.mcore_shape, dtype=dtype, device=device)
     dist.broadcast(full, src=dist.get_global_rank(groups.ep, owner), group=groups.ep)
+    return full
+
+
+def _in_first_expert_copy(groups: ProcessGroups) -> bool:
+    """Whether this rank's expert-parallel group includes its DP replica 0's rank (the same
+    TP/PP coordinates; a DP group's ranks are listed in replica order)."""
+    return dist.get_process_group_ranks(groups.dp)[0] in dist.get_process_group_ranks(groups.ep)
+
+
+def _expert_on_first_rank(
+    unit: Any, local: Mapping[str, torch.Tensor], stage: int, dtype: torch.dtype, device: torch.device,
+    groups: ProcessGroups, gated_linear_unit: bool,
+) -> torch.Tensor | None:  # fmt: skip
+    """Expert ``unit.expert``'s full tensor on global rank 0 (``None`` elsewhere): the first
+    copy's expert-parallel rank holding it gathers its TP shards to its TP rank 0, which
+    sends the tensor to rank 0 point to point (world group). Rank 0 finds the sender as
+    its own EP group's member ``owner`` moved to ``stage`` (pipeline stages are the
+    outermost dimension of megatron's rank order, so a stage is a constant rank offset)."""
+    owner = unit.expert // (unit.num_experts // groups.ep_size)
+    rank = dist.get_rank()
+    if stage == groups.pp_rank and groups.ep_rank == owner:
+        full = gather_tp_shards_to_first(unit.mcore_name, local[unit.mcore_name], groups=groups,
+                                         gated_linear_unit=gated_linear_unit)  # fmt: skip
+        if full is None or rank == 0:
+            return full
+        dist.send(full, dst=0)
+        return None
+    if rank != 0:
+        return None
+    source = dist.get_process_group_ranks(groups.ep)[owner] + groups.pp_global_ranks[stage] - groups.pp_global_ranks[0]
+    full = torch.empty(unit.mcore_shape, dtype=dtype, device=device)
+    dist.recv(full, src=source)
     return full
 
 

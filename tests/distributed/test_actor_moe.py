@@ -23,6 +23,7 @@ def report(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("actor_moe")
     reports, _, _ = run_actor_job(WORKER, ("qwen3_moe",), root, timeout_s=900, nproc=2)
     assert reports[1]["ep2_vs_ep1"] == reports[0]["ep2_vs_ep1"]  # every rank reports the same
+    assert reports[1]["first_rank_sync"] == {"names": [], "diff": None}  # a sync's tensors reach rank 0 only
     return reports[0]
 
 
@@ -43,6 +44,12 @@ def test_expert_parallel_2_equals_1_with_the_load_balancing_loss(report):
     _same(case)
     assert case["metrics"]["moe/load_balancing_loss"][1] > 1.0  # a real term (1 = perfect balance)
     assert case["metrics"]["loss/moe_aux"][1] > 0.0
+
+
+def test_a_weight_sync_at_ep2_sends_every_expert_from_rank_0(report):
+    """At EP = 2 the experts of DP replica 1's rank reach global rank 0 point to point."""
+    sync = report["first_rank_sync"]
+    assert any(".mlp.experts.3.down_proj." in n for n in sync["names"]) and sync["diff"] <= TOL, sync["diff"]
 
 
 def test_the_reported_router_loss_matches_float64_from_the_routers_inputs(report):

@@ -98,6 +98,8 @@ def run(spec: dict) -> dict:
             "weights": dict(actor.iter_hf_weights(bucket_bytes=1 << 20)),
             "microbatches": [len(mb.rows) for mb in local_mbs],  # this rank's; 0: a filler
         }
+        if ep > 1:  # what a weight sync sends: full tensors on global rank 0 only
+            out["first_rank_weights"] = dict(actor.weight_source(dtype=torch.float32))
         if tp == 1 and pp == 1:  # every rank's full gradients, by global name (experts: where they live)
             grads = {n: p.main_grad.detach().double().clone() for n, p in global_parameters(actor.model, actor.adapter).items()}
             everyone: list = [None] * world
@@ -145,7 +147,10 @@ def run(spec: dict) -> dict:
     ep1 = train(capture=True)
     report["reference_aux"] = ep1["reference_aux"]
     report["ep1_metrics"] = {k: v for k, v in ep1["metrics"].items() if k.startswith(("loss/", "moe/"))}
-    report["ep2_vs_ep1"] = compare(train(ep=2), ep1)
+    ep2 = train(ep=2)
+    report["ep2_vs_ep1"] = compare(ep2, ep1)
+    sent = ep2["first_rank_weights"]
+    report["first_rank_sync"] = {"names": sorted(sent), "diff": diff(sent, ep1["weights"]) if sent else None}
     # Without the load-balancing term the data-parallel split does not matter either
     # (global token normalisation): TP and PP (one replica) equal EP (two replicas).
     plain = train(aux=0.0)
