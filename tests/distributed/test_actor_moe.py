@@ -52,6 +52,13 @@ def test_a_weight_sync_at_ep2_sends_every_expert_from_rank_0(report):
     assert any(".mlp.experts.3.down_proj." in n for n in sync["names"]) and sync["diff"] <= TOL, sync["diff"]
 
 
+def test_the_built_in_engine_takes_the_sync_and_agrees_with_the_actor(report):
+    """Synced from EP = 2 into transformers' fused experts (per-expert names as views), the
+    engine's sampled tokens' log-probs equal the actor's within 1e-3 (float32 both)."""
+    engine = report["engine"]
+    assert engine["tokens"] == 32 and engine["max_abs_dlogp"] <= 1e-3, engine
+
+
 def test_the_reported_router_loss_matches_float64_from_the_routers_inputs(report):
     mean, term = report["reference_aux"]
     metrics = report["ep1_metrics"]

@@ -100,6 +100,7 @@ def run(spec: dict) -> dict:
         }
         if ep > 1:  # what a weight sync sends: full tensors on global rank 0 only
             out["first_rank_weights"] = dict(actor.weight_source(dtype=torch.float32))
+            out["engine"] = engine_check(actor, out["first_rank_weights"], batch)
         if tp == 1 and pp == 1:  # every rank's full gradients, by global name (experts: where they live)
             grads = {n: p.main_grad.detach().double().clone() for n, p in global_parameters(actor.model, actor.adapter).items()}
             everyone: list = [None] * world
@@ -108,6 +109,37 @@ def run(spec: dict) -> dict:
         if capture:
             out["reference_aux"] = reference_aux(losses, int(batch.loss_mask[:, 1:].sum()), aux)
         return out
+
+    def engine_check(actor, weights: dict, batch) -> dict:
+        """The built-in engine takes the sync (per-expert names into transformers' fused
+        experts), samples 8 tokens after 4 prompts, and the actor (EP = 2) scores them:
+        max |engine log-prob - actor log-prob| at the sampling temperature."""
+        from megatron_rl.actor.batch import ActorBatch
+        from megatron_rl.rollout.engines.hf import HFEngine
+        from megatron_rl.rollout.generation import SamplingParams
+
+        rows = None
+        if dist.get_rank() == 0:
+            engine = HFEngine(hf_dir, dtype="float32", attn_implementation="eager")
+            engine.update_weights(list(weights.items()), version=1)
+            prompts = [batch.input_ids[i, :PROMPT].tolist() for i in range(4)]
+            completions = engine.generate(prompts, SamplingParams(temperature=0.7, max_new_tokens=8, seed=3))
+            rows = [(p + c.token_ids, c.logprobs) for p, (c,) in zip(prompts, completions, strict=True)]
+        box = [rows]
+        dist.broadcast_object_list(box, src=0)
+        rows = box[0]
+        width = max(len(ids) for ids, _ in rows)
+        ids = torch.zeros(len(rows), width, dtype=torch.long)
+        attn = torch.zeros_like(ids)
+        for i, (seq, _) in enumerate(rows):
+            ids[i, : len(seq)], attn[i, : len(seq)] = torch.tensor(seq), 1
+        loss_mask = attn.clone()
+        loss_mask[:, :PROMPT] = 0
+        scored = actor.compute_logprobs(
+            ActorBatch(input_ids=ids, attention_mask=attn, loss_mask=loss_mask, advantages=torch.zeros(ids.shape))
+        ).logp
+        diffs = [abs(float(scored[i, PROMPT + t]) - lp) for i, (_, lps) in enumerate(rows) for t, lp in enumerate(lps)]
+        return {"tokens": len(diffs), "max_abs_dlogp": max(diffs)}
 
     def reference_loss(router, x: torch.Tensor) -> tuple[float, int]:
         """``(E * sum_i f_i P_i, tokens)`` of one router call (the weights at forward time):
@@ -149,6 +181,7 @@ def run(spec: dict) -> dict:
     report["ep1_metrics"] = {k: v for k, v in ep1["metrics"].items() if k.startswith(("loss/", "moe/"))}
     ep2 = train(ep=2)
     report["ep2_vs_ep1"] = compare(ep2, ep1)
+    report["engine"] = ep2["engine"]
     sent = ep2["first_rank_weights"]
     report["first_rank_sync"] = {"names": sorted(sent), "diff": diff(sent, ep1["weights"]) if sent else None}
     # Without the load-balancing term the data-parallel split does not matter either

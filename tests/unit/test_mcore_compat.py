@@ -91,6 +91,7 @@ _DDP_SYNC = textwrap.dedent(
     assert all(torch.isfinite(g).all() for g in grads) and any(g.abs().sum() > 0 for g in grads)
     stream = torch.cuda.current_stream()
     assert stream is torch.cuda.Stream() and stream.wait_stream(stream) is None and stream.query() is True
+    assert isinstance(torch.cuda.Stream | None, object)  # a class: transformers' annotations evaluate this
     with torch.cuda.stream(stream):
         pass
     print("OK", mcore_compat.mcore_version())

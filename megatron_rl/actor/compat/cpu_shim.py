@@ -105,7 +105,7 @@ def apply() -> bool:
     torch.cuda.random.get_rng_state = torch.cuda.get_rng_state
     torch.cuda.manual_seed = lambda seed: torch.manual_seed(seed)
     torch.cuda.Event = _WallClockEvent
-    torch.cuda.Stream = _null_stream
+    torch.cuda.Stream = _NullStream
     torch.cuda.current_stream = _null_stream
     torch.cuda.stream = _null_stream_context
 
@@ -127,7 +127,19 @@ def apply() -> bool:
 
 class _NullStream:
     """Stand-in for ``torch.cuda.Stream`` on a CPU-only torch: every operation has completed
-    when it returns, so there is nothing to wait for or record."""
+    when it returns, so there is nothing to wait for or record. A class (annotations such
+    as ``torch.cuda.Stream | None``, evaluated when transformers imports, need one) whose
+    every construction returns the one instance, :data:`NULL_STREAM`."""
+
+    _instance: _NullStream | None = None
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> _NullStream:
+        if cls._instance is None:
+            cls._instance = super().__new__(cls)
+        return cls._instance
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
 
     def wait_event(self, event: Any) -> None:
         pass

@@ -46,6 +46,27 @@ __all__ = ["HFEngine", "HFEngineArgs"]
 
 logger = logging.getLogger(__name__)
 
+def per_expert_views(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """``{checkpoint name: view}`` of the experts of a transformers model that keeps each
+    MoE layer's experts fused (transformers 5: ``mlp.experts.gate_up_proj`` ``[E, 2F, H]``,
+    gate rows first, and ``mlp.experts.down_proj`` ``[E, H, F]``), under the per-expert
+    names its checkpoints and a weight sync use (``mlp.experts.<j>.gate_proj.weight``
+    ``[F, H]``, ``up_proj``, ``down_proj``). The views share the live parameters' storage,
+    so ``copy_`` into one updates the model. Empty for a model without fused experts."""
+    views: dict[str, torch.Tensor] = {}
+    for prefix, module in model.named_modules():
+        gate_up = getattr(module, "gate_up_proj", None)
+        down = getattr(module, "down_proj", None)
+        if not (isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor) and gate_up.dim() == 3):
+            continue
+        width = gate_up.shape[1] // 2
+        for j in range(gate_up.shape[0]):
+            views[f"{prefix}.{j}.gate_proj.weight"] = gate_up[j, :width]
+            views[f"{prefix}.{j}.up_proj.weight"] = gate_up[j, width:]
+            views[f"{prefix}.{j}.down_proj.weight"] = down[j]
+    return views
+
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -122,6 +143,7 @@ class HFEngine(RolloutEngine):
         # state_dict(keep_vars=True) maps every HF name to the live tensor, tied names
         # included (lm_head.weight and model.embed_tokens.weight are the same Parameter).
         self._targets: dict[str, torch.Tensor] = dict(self.model.state_dict(keep_vars=True))
+        self._targets.update(per_expert_views(self.model))
         # What a sync carries: the checkpoint's tensors that are tensors of the model.
         self._expected = {
             name: meta
