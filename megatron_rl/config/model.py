@@ -31,7 +31,8 @@ class TinyModelConfig:
 
     model_type: str = "qwen2"
     """HF ``model_type``; picks the ``models/<arch>/`` spec and weight adapter (a registered
-    adapter: qwen2, qwen3, llama; checked against the registry when the run starts)."""
+    adapter: qwen2, qwen3, llama, and qwen3_moe with ``num_experts`` > 0; checked against
+    the registry when the run starts)."""
 
     hidden_size: int = 64
     """Width of the residual stream."""
@@ -63,6 +64,22 @@ class TinyModelConfig:
     tie_word_embeddings: bool = True
     """Share the input embedding with the output layer (as small Qwen2 models do)."""
 
+    num_experts: int = 0
+    """Routed experts of every layer's MLP (mixture of experts, ``model_type: qwen3_moe``);
+    0: a dense MLP of ``intermediate_size``."""
+
+    num_experts_per_tok: int = 2
+    """Experts each token is routed to (top-k); at most ``num_experts``."""
+
+    moe_intermediate_size: int = 64
+    """Hidden width of one expert's SwiGLU MLP."""
+
+    norm_topk_prob: bool = True
+    """Whether a token's top-k routing weights are renormalised to sum to 1."""
+
+    router_aux_loss_coef: float = 0.001
+    """Coefficient of the router's load-balancing loss (docs/moe.md: how megatron applies it)."""
+
     def __post_init__(self) -> None:
         check_literals(self)
         if not self.model_type:
@@ -71,6 +88,19 @@ class TinyModelConfig:
             self, "hidden_size", "num_layers", "num_attention_heads", "num_key_value_heads",
             "intermediate_size", "vocab_size", "max_position_embeddings",
         )  # fmt: skip
+        require_range("num_experts", self.num_experts, ge=0, le=1024)
+        require_range("router_aux_loss_coef", self.router_aux_loss_coef, ge=0.0)
+        if (self.num_experts > 0) != (self.model_type == "qwen3_moe"):
+            raise ConfigError(
+                "num_experts",
+                f"got {self.num_experts} with model_type {self.model_type!r}; qwen3_moe needs experts (> 0), "
+                "the dense types none (0)",
+            )
+        if self.num_experts and not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ConfigError(
+                "num_experts_per_tok", f"got {self.num_experts_per_tok}; must be in [1, num_experts = {self.num_experts}]"
+            )
+        require_range("moe_intermediate_size", self.moe_intermediate_size, ge=1, le=1 << 16)
         require_range("rope_theta", self.rope_theta, gt=0.0)
         require_range("rms_norm_eps", self.rms_norm_eps, gt=0.0, lt=1.0)
         for name, most in (("hidden_size", 1 << 16), ("num_layers", 1024), ("num_attention_heads", 1024),
@@ -89,8 +119,25 @@ class TinyModelConfig:
             )
 
     def to_hf_config_dict(self) -> dict[str, Any]:
-        """The equivalent HF ``config.json`` content (keys as ``transformers`` names them)."""
+        """The equivalent HF ``config.json`` content (keys as ``transformers`` names them).
+
+        Qwen3 types get ``head_dim`` written out (``hidden_size / num_attention_heads``):
+        transformers' Qwen3 configs default it to 128 otherwise, and the engine would build that."""
+        moe = {}
+        if self.num_experts:
+            moe = {
+                "num_experts": self.num_experts,
+                "num_experts_per_tok": self.num_experts_per_tok,
+                "moe_intermediate_size": self.moe_intermediate_size,
+                "norm_topk_prob": self.norm_topk_prob,
+                "router_aux_loss_coef": self.router_aux_loss_coef,
+                "decoder_sparse_step": 1,
+                "mlp_only_layers": [],
+            }
+        if self.model_type in ("qwen3", "qwen3_moe"):
+            moe["head_dim"] = self.hidden_size // self.num_attention_heads
         return {
+            **moe,
             "model_type": self.model_type,
             "hidden_size": self.hidden_size,
             "num_hidden_layers": self.num_layers,

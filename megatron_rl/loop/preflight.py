@@ -81,7 +81,7 @@ def preflight(config: RunConfig, *, task_key: str = TASK_KEY) -> Preflight:
     task = check_registries(config, task_key=task_key)
     hf_config = _check_architecture(config)
     _check_initial_weights(config)
-    _check_engine(config)
+    _check_engine(config, hf_config)
     resume = _resume_checkpoint(config)
     tokenizer = _tokenizer(config)
     if len(tokenizer) > hf_config["vocab_size"]:
@@ -242,13 +242,15 @@ def _check_initial_weights(config: RunConfig) -> None:
     )
 
 
-def _check_engine(config: RunConfig) -> None:
-    """The rollout engine can be built: importable, and (``hf``) its arguments accepted."""
+def _check_engine(config: RunConfig, hf_config: dict[str, Any]) -> None:
+    """The rollout engine can be built: importable, (``vllm``'s CPU build) the model's head
+    size one its attention runs, and (``hf``) its arguments accepted."""
     engine, args = config.rollout.engine, dict(config.rollout.engine_args)
     if engine == "vllm":
         if importlib.util.find_spec("vllm") is None:
             raise ConfigError("rollout.engine", "'vllm' needs vLLM, which is not installed (CUDA: pip install -e "
                               "'.[gpu]'; CPU: bash tools/install_vllm_cpu.sh); or use 'hf'")  # fmt: skip
+        _check_vllm_cpu_head_size(hf_config)
     elif engine == "hf":
         from megatron_rl.rollout.engines.hf import HFEngineArgs
 
@@ -269,6 +271,31 @@ def _check_engine(config: RunConfig) -> None:
             getattr(importlib.import_module(module_name), cls_name)
         except Exception as e:  # a user module's import-time failure is the user's to see
             raise ConfigError("rollout.engine", f"cannot load {engine!r}: {type(e).__name__}: {e}") from None
+
+
+def _check_vllm_cpu_head_size(hf_config: dict[str, Any]) -> None:
+    """vLLM's CPU build (the ``vllm-cpu`` distribution) runs attention only for some head
+    sizes and fails at the first generation otherwise; the sizes are its attention
+    backend's own list (read only when that build is installed)."""
+    from importlib import metadata
+
+    try:
+        metadata.distribution("vllm-cpu")
+    except metadata.PackageNotFoundError:
+        return
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    from megatron_rl.models.registry import adapter_for_config
+
+    head_dim = adapter_for_config(hf_config).dims(hf_config).head_dim
+    sizes = CPUAttentionBackend.get_supported_head_sizes()
+    if head_dim not in sizes:
+        raise ConfigError(
+            "rollout.engine",
+            f"'vllm' is vLLM's CPU build here (vllm-cpu), whose attention runs head sizes {sizes}; the model's "
+            f"head_dim is {head_dim} (hidden_size / num_attention_heads unless the config sets it); use 'hf' or "
+            "a model with one of those head sizes",
+        )
 
 
 # --------------------------------------------------------------------------- the checkpoint to resume from

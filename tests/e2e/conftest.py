@@ -7,6 +7,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "tiny_cpu.yaml"
+MOE_EXAMPLE = ROOT / "examples" / "tiny_cpu_moe.yaml"
 TOY = ROOT / "examples" / "data" / "toy"
 
 
@@ -22,10 +23,10 @@ def tiny_overrides(output_dir, *extra: str) -> list[str]:
     ]
 
 
-def tiny_config(output_dir, *extra: str):
+def tiny_config(output_dir, *extra: str, example: Path = EXAMPLE):
     from megatron_rl.config.run import load_run_config
 
-    return load_run_config(EXAMPLE, tiny_overrides(output_dir, *extra))
+    return load_run_config(example, tiny_overrides(output_dir, *extra))
 
 
 BASELINE = ("trainer.num_steps=3", "trainer.eval_every_steps=0", "trainer.save_every_steps=0")

@@ -13,7 +13,7 @@ import pytest
 
 from megatron_rl.loop.pipeline import make_trainer
 from megatron_rl.observability import read_metrics
-from tests.e2e.conftest import tiny_config
+from tests.e2e.conftest import MOE_EXAMPLE, tiny_config
 
 NUM_STEPS, WINDOW = 200, 25
 
@@ -26,12 +26,19 @@ MODES = {
 }
 
 
-@pytest.mark.parametrize("mode", list(MODES))
-@pytest.mark.parametrize("seed", [1, 2, 3])
+@pytest.mark.parametrize(
+    ("mode", "seed"), [(mode, seed) for mode in MODES for seed in (1, 2, 3)] + [("moe", 1), ("moe_ep2", 2)]
+)
 def test_tiny_demo_reward_rises_beyond_noise(seed, mode, tmp_path, ray_session):
+    """``moe``: examples/tiny_cpu_moe.yaml (a tiny Qwen3-MoE); ``moe_ep2`` with its experts
+    split over two actor ranks."""
+    example = {"moe": MOE_EXAMPLE, "moe_ep2": MOE_EXAMPLE}.get(mode)
+    overrides = MODES.get(mode, ()) if mode != "moe_ep2" else (
+        "parallel.num_actor_ranks=2", "parallel.expert_model_parallel_size=2")  # fmt: skip
     cfg = tiny_config(
         tmp_path, f"trainer.num_steps={NUM_STEPS}", f"trainer.seed={seed}", "trainer.eval_every_steps=0",
-        "trainer.save_every_steps=0", "logging.token_diagnostics=false", *MODES[mode],
+        "trainer.save_every_steps=0", "logging.token_diagnostics=false", *overrides,
+        **({} if example is None else {"example": example}),
     )  # fmt: skip
     trainer = make_trainer(cfg)
     try:

@@ -229,6 +229,20 @@ def test_vllm_without_vllm_is_named(tmp_path, capsys, monkeypatch):
     assert "rollout.engine" in err and "install_vllm_cpu.sh" in err and "Traceback" not in err
 
 
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
+def test_a_head_size_vllms_cpu_build_cannot_run_is_refused_before_start(tmp_path, capsys):
+    """The tiny demo's head_dim 16: vllm-cpu's attention fails at the first generation."""
+    from importlib import metadata
+
+    try:
+        metadata.distribution("vllm-cpu")
+    except metadata.PackageNotFoundError:
+        pytest.skip("the installed vLLM is not the CPU build")
+    assert cli.main(_args(tmp_path, ["rollout.engine=vllm"])) == 2
+    err = capsys.readouterr().err
+    assert "config field 'rollout.engine'" in err and "head_dim is 16" in err and "Traceback" not in err
+
+
 # --------------------------------------------------------------------------- legal but suspicious: warned
 
 

@@ -333,19 +333,17 @@ def test_the_expert_layout_is_checked_against_the_model(hf_dirs, model, sizes, f
                         ParallelConfig(num_actor_ranks=4, expert_model_parallel_size=4), where="the model")  # fmt: skip
 
 
-def test_training_refuses_moe_until_the_actor_handles_it_and_conversion_does_not(hf_dirs, tmp_path):
-    """The adapter maps MoE models and ``megatron-rl convert`` handles their checkpoints
-    (tests/distributed/test_convert_moe.py); the actor and weight sync do not yet: the
-    pre-flight says so instead of failing deep inside."""
-    from megatron_rl.config.lib import ConfigError
+def test_the_preflight_takes_a_moe_model_and_conversion_its_checkpoint(hf_dirs, tmp_path):
+    """A Qwen3-MoE model passes the pre-flight (the actor, weight sync and the built-in
+    engine handle it: tests/distributed/test_actor_moe.py) and ``megatron-rl convert`` its
+    checkpoints at EP = 2 (tests/distributed/test_convert_moe.py)."""
     from megatron_rl.loop.preflight import preflight
     from megatron_rl.models.convert.hf_mcore import ConversionWarning, HfToMcoreOptions, hf_to_mcore
     from tests.e2e.conftest import tiny_config
 
     hf = hf_dirs["qwen3_moe"]
-    config = tiny_config(tmp_path, "model.tiny=null", f"model.hf_config={hf}")
-    with pytest.raises(ConfigError, match=r"model.hf_config.*model_type 'qwen3_moe' cannot be trained: .*Mixture"):
-        preflight(config)
+    config = tiny_config(tmp_path, "model.tiny=null", f"model.hf_config={hf}", "model.init=pretrained")
+    preflight(config)
     with pytest.warns(ConversionWarning, match="no tokenizer files"):
         summary = hf_to_mcore(HfToMcoreOptions(hf_dir=hf, out_dir=tmp_path / "mcore", ep=2))
     assert summary.model_type == "qwen3_moe" and (tmp_path / "mcore" / "metadata.json").is_file()

@@ -17,9 +17,6 @@ ADAPTER = register_adapter(
     MoEDecoderAdapter(
         model_type="qwen3_moe",
         architecture="Qwen3MoeForCausalLM",
-        not_yet="the adapter maps its config, layer spec and weights and megatron-rl convert handles its "
-        "checkpoints, but the actor and weight sync do not handle Mixture-of-Experts models yet (no expert "
-        "parallelism in training, expert weight sync or routing replay)",
         qk_norm=True,
         qkv_bias=lambda cfg: False,
         checks=(
