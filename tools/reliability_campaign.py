@@ -1,6 +1,6 @@
 """The reliability campaign (issues 17 and 34), run against the real command line on the tiny CPU demo.
 
-    nice -n 10 python tools/reliability_campaign.py --out /tmp/campaign [--only config,data,...]
+    nice -n 10 python tools/reliability_campaign.py --out /tmp/campaign [--only inputs,rewards,...]
 
 Categories (the issue's counts): 89 config mutations, 20 bad data files, 8 bad paths,
 44 adversarial reward inputs, 8 ``kill -9`` at random moments (driver, actor worker,
@@ -589,6 +589,9 @@ def main() -> None:
               "checkpoints": campaign_checkpoints, "nonfinite": campaign_nonfinite, "code": campaign_code,
               "conversions": lambda out: campaign_conversions(out, record, run),
               "cluster": lambda out: campaign_cluster(out, record, functools.partial(_start, piped=True))}  # fmt: skip
+    unknown = [name for name in args.only.split(",") if name not in stages]
+    if unknown:
+        parser.error(f"--only: unknown stage(s) {', '.join(unknown)}; the stages are {', '.join(stages)}")
     start = time.monotonic()
     for name in args.only.split(","):
         stages[name](args.out)

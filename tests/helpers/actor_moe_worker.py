@@ -14,31 +14,20 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-N, L, PROMPT = 8, 20, 5
+from tests.helpers.actor_scale_worker import PROMPT, L, N
+from tests.helpers.actor_scale_worker import make_batch as scale_batch
+
 AUX_COEFF = 0.05
 """Larger than Qwen3-MoE's 0.001, so that the load-balancing term moves the weights visibly."""
 
 
 def make_batch(vocab: int, *, uneven: bool = False):
-    """A padded batch (random lengths), or with ``uneven`` one whose even rows (data-parallel
-    rank 0's) are long and odd rows short, so that rank 0 needs more micro-batches."""
+    """The scale tests' batch, or with ``uneven`` one whose even rows (data-parallel rank
+    0's) are long and odd rows short, so that rank 0 needs more micro-batches."""
     import torch
 
-    from megatron_rl.actor.batch import ActorBatch
-
-    g = torch.Generator().manual_seed(5)
-    ids = torch.randint(0, vocab, (N, L), generator=g)
-    if uneven:
-        lengths = torch.tensor([L if i % 2 == 0 else PROMPT + 3 for i in range(N)])
-    else:
-        lengths = torch.randint(PROMPT + 3, L + 1, (N,), generator=g)
-        lengths[0] = L
-    attn = (torch.arange(L)[None] < lengths[:, None]).long()
-    loss_mask = attn.clone()
-    loss_mask[:, :PROMPT] = 0
-    advantages = torch.randn(N, 1, generator=g).expand(N, L).clone()
-    noise = torch.randn(2, N, L, generator=g) * 0.3
-    return ActorBatch(input_ids=ids, attention_mask=attn, loss_mask=loss_mask, advantages=advantages), noise
+    lengths = torch.tensor([L if i % 2 == 0 else PROMPT + 3 for i in range(N)]) if uneven else None
+    return scale_batch(vocab, lengths=lengths)
 
 
 def run(spec: dict) -> dict:

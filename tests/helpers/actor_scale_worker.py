@@ -19,15 +19,18 @@ N, L, PROMPT = 8, 20, 5
 TEMPERATURE = 0.7
 
 
-def make_batch(vocab: int):
+def make_batch(vocab: int, *, lengths=None):
+    """A padded batch of ``N`` rows of at most ``L`` tokens (``PROMPT`` of them prompt), and
+    noise for the old and reference log-probs; ``lengths`` (``[N]``) replaces the random ones."""
     import torch
 
     from megatron_rl.actor.batch import ActorBatch
 
     g = torch.Generator().manual_seed(11)
     ids = torch.randint(0, vocab, (N, L), generator=g)
-    lengths = torch.randint(PROMPT + 3, L + 1, (N,), generator=g)
-    lengths[0] = L
+    drawn = torch.randint(PROMPT + 3, L + 1, (N,), generator=g)
+    drawn[0] = L
+    lengths = drawn if lengths is None else lengths
     attn = (torch.arange(L)[None] < lengths[:, None]).long()
     loss_mask = attn.clone()
     loss_mask[:, :PROMPT] = 0
