@@ -94,12 +94,18 @@ def _mark_before_optimizer_step(probe: PeakRSS):
 
 
 def hf_config(case: dict) -> dict:
-    return {
+    """A Qwen2 config of the case's shape, or with ``experts`` > 0 a Qwen3-MoE one (every MLP
+    ``experts`` experts of width ``expert_ffn``, ``topk`` per token)."""
+    cfg = {
         "model_type": "qwen2", "hidden_size": case["hidden"], "intermediate_size": case["ffn"],
         "num_hidden_layers": case["layers"], "num_attention_heads": case["heads"],
         "num_key_value_heads": case["kv_heads"], "vocab_size": case["vocab"], "max_position_embeddings": 8192,
         "rope_theta": 10000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": case["tie"],
     }  # fmt: skip
+    if case.get("experts"):
+        cfg.update(model_type="qwen3_moe", head_dim=case["hidden"] // case["heads"], num_experts=case["experts"],
+                   num_experts_per_tok=case["topk"], moe_intermediate_size=case["expert_ffn"], norm_topk_prob=True)  # fmt: skip
+    return cfg
 
 
 def spec_of(case: dict, world: int):

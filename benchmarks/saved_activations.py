@@ -31,6 +31,11 @@ SHAPES = [  # hidden, ffn, heads, kv_heads, seq_len, seqs (1,024 tokens each)
     dict(hidden=512, ffn=2816, heads=8, kv_heads=2, seq_len=256, seqs=4),
     dict(hidden=1024, ffn=2816, heads=16, kv_heads=4, seq_len=128, seqs=8),
 ]
+MOE_SHAPES = [  # mixture-of-experts layers (Qwen3-MoE): experts, their width, experts per token
+    dict(hidden=1024, ffn=2816, heads=16, kv_heads=4, seq_len=256, seqs=4, experts=8, expert_ffn=512, topk=2),
+    dict(hidden=1024, ffn=2816, heads=16, kv_heads=4, seq_len=256, seqs=4, experts=16, expert_ffn=256, topk=4),
+    dict(hidden=512, ffn=2816, heads=8, kv_heads=2, seq_len=256, seqs=4, experts=8, expert_ffn=768, topk=2),
+]
 
 
 def saved_bytes(case: dict, groups) -> int:
@@ -77,7 +82,7 @@ def main() -> int:
     init_process_group()
     torch.set_num_threads(1)
     groups = initialize_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
-    for shape in SHAPES:
+    for shape in SHAPES + MOE_SHAPES:
         case = {**actor_memory.DEFAULT_CASE, "vocab": 32000, "loss_impl": "fused_linear", **shape}
         two, four = (saved_bytes({**case, "layers": n}, groups) for n in (2, 4))
         tokens = case["seq_len"] * case["seqs"]
@@ -85,7 +90,7 @@ def main() -> int:
         arch = Architecture.from_hf_config(actor_memory.hf_config({**case, "layers": 4}))
         planned = activation_bytes_per_token_layer(arch, tp=1, sequence_parallel=False, seq_len=case["seq_len"],
                                                    flash=False, recompute="none", a=4)  # fmt: skip
-        print(json.dumps({"benchmark": "saved_activations", **shape, "dtype": "float32", "torch": torch.__version__,
+        print(json.dumps({"benchmark": "saved_activations", "moe": bool(shape.get("experts")), **shape, "dtype": "float32", "torch": torch.__version__,
                           "measured_bytes_per_token_layer": measured, "planned_bytes_per_token_layer": planned,
                           "planned_over_measured": planned / measured}), flush=True)  # fmt: skip
     return 0

@@ -74,10 +74,12 @@ class RouterLossMeter:
             router.register_forward_hook(self._hook)
 
     def reset(self) -> None:
-        """Forget the previous step's values (and clear megatron's tracker)."""
-        from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
+        """Forget the previous step's values, and megatron's tracker's entries: it is
+        process-wide and sized by the first model that wrote to it, so another model in
+        the same process (more layers) would index past it."""
+        from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
 
-        clear_aux_losses_tracker()
+        get_moe_layer_wise_logging_tracker().clear()
         self.sums: dict[str, torch.Tensor] = {}
         """``{tracker name: sum of the losses of the counted router calls}`` (0-dim)."""
         self.weighted: dict[str, torch.Tensor] = {}
@@ -110,7 +112,8 @@ class RouterLossMeter:
         """This layer's tracker values (copies; no host read)."""
         from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
 
-        return {name: entry["values"][layer - 1].clone() for name, entry in get_moe_layer_wise_logging_tracker().items()}
+        tracker = get_moe_layer_wise_logging_tracker()
+        return {name: entry["values"][layer - 1].clone() for name, entry in tracker.items() if layer <= len(entry["values"])}
 
     def _pre_hook(self, router: torch.nn.Module, args: Any) -> None:
         if self._active and router.training and torch.is_grad_enabled():

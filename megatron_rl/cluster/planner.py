@@ -31,7 +31,10 @@ count (Korthikanti et al. 2022: ``4H + (n_q + 2 n_kv) d + n_q d + 3F`` for this 
 layout) is 0.6x of it. With attention dropout (an HF config's ``attention_dropout``)
 megatron's unfused attention runs and keeps the ``[s, s]`` probabilities too (``a n_q
 s / t`` more; none with Transformer Engine, nor with selective recompute). ``full``
-recompute keeps only each layer's input plus one recompute unit's activations. The
+recompute keeps only each layer's input plus one recompute unit's activations. A
+mixture-of-experts MLP replaces ``5F / t`` (:func:`moe_bytes_per_token`, fitted the same
+way at three MoE shapes); its experts' parameters are split over EP and their optimizer
+state sharded over DP / EP. The
 planner is checked against measured peaks of real train steps on CPU, at the second
 step, whose forward-backward runs with Adam's moments resident as every later step's
 does (``tests/distributed/test_planner.py``: the plan covers the live peak, at most 25%
@@ -75,6 +78,24 @@ class Architecture:
     qkv_bias: bool = False
     qk_norm: bool = False
     attention_dropout: float = 0.0
+    num_experts: int = 0
+    """Routed experts per layer (every layer a mixture of experts); 0: dense MLPs of ``ffn_hidden_size``."""
+    moe_ffn_hidden_size: int = 0
+    """One expert's SwiGLU width."""
+    moe_topk: int = 0
+    """Experts per token."""
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    def parameters(self) -> tuple[int, int]:
+        """``(total, active per token)`` parameters of the whole model (one copy of each tensor)."""
+        total = stage_parameters(self, tp=1, pp=1, stage=0, divisible_by=1)
+        if not self.is_moe:
+            return total, total
+        idle = (self.num_experts - self.moe_topk) * 3 * self.hidden_size * self.moe_ffn_hidden_size * self.num_layers
+        return total, total - idle
 
     @classmethod
     def of_model(cls, model: ModelConfig) -> Architecture:
@@ -92,13 +113,19 @@ class Architecture:
     @classmethod
     def from_hf_config(cls, hf_config: dict[str, Any]) -> Architecture:
         from megatron_rl.models import adapter_for_config
+        from megatron_rl.models.moe import MoEDecoderAdapter
 
-        dims = adapter_for_config(hf_config).dims(hf_config)
+        adapter = adapter_for_config(hf_config)
+        dims = adapter.dims(hf_config)
+        moe = {}
+        if isinstance(adapter, MoEDecoderAdapter):
+            m = adapter.moe_dims(hf_config)
+            moe = dict(num_experts=m.num_moe_experts, moe_ffn_hidden_size=m.moe_ffn_hidden_size, moe_topk=m.moe_router_topk)
         return cls(
             hidden_size=dims.hidden_size, ffn_hidden_size=dims.ffn_hidden_size, num_layers=dims.num_layers,
             num_attention_heads=dims.num_attention_heads, num_query_groups=dims.num_query_groups,
             head_dim=dims.head_dim, vocab_size=dims.vocab_size, tie_word_embeddings=dims.tie_word_embeddings,
-            qkv_bias=dims.qkv_bias, qk_norm=dims.qk_norm, attention_dropout=dims.attention_dropout,
+            qkv_bias=dims.qkv_bias, qk_norm=dims.qk_norm, attention_dropout=dims.attention_dropout, **moe,
         )  # fmt: skip
 
 
@@ -163,15 +190,21 @@ def _padded_vocab(vocab: int, tp: int, divisible_by: int) -> int:
     return -(-vocab // multiple) * multiple
 
 
-def stage_parameters(arch: Architecture, *, tp: int, pp: int, stage: int, divisible_by: int = 128) -> int:
-    """Parameters held by one rank of pipeline stage ``stage`` (TP shards; norms replicated)."""
+def stage_parameters(arch: Architecture, *, tp: int, pp: int, stage: int, divisible_by: int = 128, ep: int = 1) -> int:
+    """Parameters held by one rank of pipeline stage ``stage`` (TP shards; norms replicated;
+    a mixture of experts' router replicated, its experts split over ``ep`` ranks and each
+    expert over TP)."""
     h, f, d = arch.hidden_size, arch.ffn_hidden_size, arch.head_dim
     q, kv = arch.num_attention_heads * d, arch.num_query_groups * d
-    per_layer = (h * (q + 2 * kv) + (q + 2 * kv if arch.qkv_bias else 0) + q * h + 3 * h * f) // tp
+    per_layer = (h * (q + 2 * kv) + (q + 2 * kv if arch.qkv_bias else 0) + q * h) // tp
     per_layer += 2 * h + (2 * d if arch.qk_norm else 0)
     layers = arch.num_layers // pp
+    if arch.is_moe:
+        per_layer += arch.num_experts * h
+    else:
+        per_layer += 3 * h * f // tp
     vocab_rows = _padded_vocab(arch.vocab_size, tp, divisible_by) // tp
-    params = layers * per_layer
+    params = layers * per_layer + stage_expert_parameters(arch, tp=tp, pp=pp, ep=ep)
     if stage == 0:
         params += vocab_rows * h
     if stage == pp - 1:
@@ -179,6 +212,14 @@ def stage_parameters(arch: Architecture, *, tp: int, pp: int, stage: int, divisi
         if not arch.tie_word_embeddings or pp > 1:
             params += vocab_rows * h  # output layer (a tied model's last stage keeps its own copy)
     return params
+
+
+def stage_expert_parameters(arch: Architecture, *, tp: int, pp: int, ep: int) -> int:
+    """The routed experts' parameters on one rank (``E / ep`` experts of each of its
+    stage's layers, each SwiGLU ``3 H F_e`` split over TP); 0 for a dense model."""
+    if not arch.is_moe:
+        return 0
+    return (arch.num_layers // pp) * (arch.num_experts // ep) * 3 * arch.hidden_size * arch.moe_ffn_hidden_size // tp
 
 
 def activation_bytes_per_token_layer(
@@ -190,10 +231,28 @@ def activation_bytes_per_token_layer(
     t_sp = tp if sequence_parallel else 1
     if recompute == "full":
         return a * h / t_sp
-    sharded = (4 * q_heads * d + 3 * kv_heads * d + 5 * f + q_heads) / tp
+    mlp = moe_bytes_per_token(arch, tp=tp, t_sp=t_sp) if arch.is_moe else 5 * f / tp
+    sharded = (4 * q_heads * d + 3 * kv_heads * d + q_heads) / tp + mlp
     unfused = arch.attention_dropout > 0 and not flash and recompute != "selective"
     attention = q_heads * seq_len / tp if unfused else 0.0
     return a * (5 * h / t_sp + sharded + 2 * d + 2 + attention)
+
+
+def moe_bytes_per_token(arch: Architecture, *, tp: int, t_sp: int) -> float:
+    """Elements a mixture-of-experts MLP saves per token (times the activation bytes), in
+    place of a dense MLP's ``5F / t``:
+
+        k (6 F_e / t + H / t_sp) + 5H / (2 t_sp) + 2E / t_sp
+
+    each of the token's k expert copies saves a dense SwiGLU's five expert-width tensors
+    plus its routing weight times the activation (megatron's ``SequentialMLP`` scales
+    before ``linear_fc2``), and its permuted input; the rest (the dispatcher's copies of
+    the layer's tokens, the router's logits and probabilities) is per token. Fitted to
+    three layers measured like the dense ones (``benchmarks/saved_activations.py``, TP 1:
+    within 3% of each); the TP and sequence-parallel divisions follow megatron's
+    splitting and are not measured."""
+    k, h, f_e, e = arch.moe_topk, arch.hidden_size, arch.moe_ffn_hidden_size, arch.num_experts
+    return k * (6 * f_e / tp + h / t_sp) + 5 * h / (2 * t_sp) + 2 * e / t_sp
 
 
 def plan_memory(
@@ -210,6 +269,7 @@ def plan_memory(
 ) -> MemoryPlan:
     """The per-GPU memory plan of the run's actor (the worst pipeline stage)."""
     tp, pp, dp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size, parallel.resolved_data_parallel_size
+    ep = parallel.expert_model_parallel_size
     a = 2 if model.dtype == "bfloat16" else 4
     seq_len = min(rollout.max_sequence_tokens, trainer.max_tokens_per_microbatch)
     per_rank = -(-rollout.num_samples_per_step // (trainer.num_minibatches_per_step * dp))  # sequences per mini-batch
@@ -221,19 +281,23 @@ def plan_memory(
     best: MemoryPlan | None = None
     generation = 0
     for stage in range(pp):
-        params = stage_parameters(arch, tp=tp, pp=pp, stage=stage, divisible_by=model.make_vocab_size_divisible_by)
+        params = stage_parameters(arch, tp=tp, pp=pp, stage=stage, divisible_by=model.make_vocab_size_divisible_by, ep=ep)
+        experts = stage_expert_parameters(arch, tp=tp, pp=pp, ep=ep)
         plan = MemoryPlan(gpu_memory_bytes=gpu_memory_bytes, stage=stage)
         c = plan.components
         c["parameters"] = params * a
         c["gradients"] = params * 4  # megatron DDP reduces gradients in a float32 buffer
         optimizer_per_param = 8 + (4 if a == 2 else 0)  # Adam moments (+ float32 master weights)
+        # The distributed optimizer shards the dense parameters' state over DP and the
+        # experts' over the expert-data-parallel group (DP / EP: the ranks holding the same experts).
         shards = dp if actor.use_distributed_optimizer else 1
-        c["optimizer_state"] = params * optimizer_per_param // shards
+        expert_shards = max(1, dp // ep) if actor.use_distributed_optimizer else 1
+        c["optimizer_state"] = (params - experts) * optimizer_per_param // shards + experts * optimizer_per_param // expert_shards
         # torch's AdamW as a loop or foreach kernels (actor.optimizer_kernel) works through
         # float32 temporaries as large as the parameters it updates (with the distributed
         # optimizer, its shard); the fused kernels (torch's, TE's, Apex's) update in place.
         fused_adam = actor.optimizer_kernel in ("auto", "fused")
-        c["optimizer_step_temporaries"] = 0 if fused_adam else params * 4 // shards
+        c["optimizer_step_temporaries"] = 0 if fused_adam else (params - experts) * 4 // shards + experts * 4 // expert_shards
         layers = arch.num_layers // pp
         per_token = activation_bytes_per_token_layer(
             arch, tp=tp, sequence_parallel=parallel.sequence_parallel, seq_len=seq_len, flash=flash,
@@ -275,11 +339,13 @@ def plan_memory(
         # megatron's DDP hook adds it into the float32 buffer; the largest, the embedding or
         # output layer (V/TP x H), bounds what is live at once.
         largest = vocab_rows * arch.hidden_size if stage in (0, pp - 1) else (
-            arch.hidden_size * max(arch.ffn_hidden_size * 2, (arch.num_attention_heads + 2 * arch.num_query_groups)
+            arch.hidden_size * max(_mlp_fc1_rows(arch), (arch.num_attention_heads + 2 * arch.num_query_groups)
                                    * arch.head_dim) // tp)  # fmt: skip
         c["backward_temporaries"] = largest * a
         c["reference_policy"] = params * a if resident_ref else 0
         engines = _colocated_engine_bytes(rollout, gpu_memory_bytes, use_cuda=use_te or gpu_memory_bytes is not None)
+        if rollout.placement == "colocated" and rollout.engine == "hf" and str(rollout.engine_args.get("device", "")).startswith("cuda"):
+            engines += _engine_weight_bytes(arch, model, rollout)  # the built-in engine holds the whole model
         if rollout.placement == "colocated":  # the trainer offloads all but the weights while engines generate
             plan.generation_bytes = c["parameters"] + engines
         else:
@@ -304,10 +370,22 @@ def plan_memory(
             "the local spec's scaled_dot_product_attention"))
         + f"; {microbatches} micro-batch(es) of {tokens} tokens per step and DP rank"
     )  # fmt: skip
+    if arch.is_moe:
+        total, active = arch.parameters()
+        best.notes.append(
+            f"mixture of experts: {total / 1e9:.2f}B parameters, {active / 1e9:.2f}B active per token "
+            f"({arch.moe_topk} of {arch.num_experts} experts); expert activations per token: "
+            "fitted on CPU at TP 1 (moe_bytes_per_token), not measured on a GPU"
+        )
     if rollout.placement == "colocated":
         best.notes.append("generation: the actor keeps only its weights on the GPU (gradients, optimizer state and "
                           "reference offloaded) while the engines hold their share")  # fmt: skip
     return best
+
+
+def _mlp_fc1_rows(arch: Architecture) -> int:
+    """Rows of the largest MLP projection: the dense ``[gate; up]`` (2F), or one expert's (2 F_e)."""
+    return 2 * (arch.moe_ffn_hidden_size if arch.is_moe else arch.ffn_hidden_size)
 
 
 def _dtype_bytes(name: str) -> int:
@@ -339,12 +417,13 @@ def sync_transient_bytes(
     a = _dtype_bytes(model.dtype)
     e = _dtype_bytes(rollout.engine_args.get("dtype", model.dtype))
     h, vocab = arch.hidden_size, _padded_vocab(arch.vocab_size, 1, 1)
-    layer_unit = h * max(2 * arch.ffn_hidden_size, (arch.num_attention_heads + 2 * arch.num_query_groups) * arch.head_dim)
+    layer_unit = h * max(_mlp_fc1_rows(arch), arch.num_experts, (arch.num_attention_heads + 2 * arch.num_query_groups)
+                         * arch.head_dim)  # fmt: skip
     unit = max(vocab * h, layer_unit)
     tp = parallel.tensor_model_parallel_size
     transient = unit * a * (2 if tp > 1 else 1) + unit * a + (unit * e if e != a else 0)
     bucket = rollout.weight_sync_bucket_mb << 20
-    buffer = max(bucket, max(vocab, arch.ffn_hidden_size) * h * e)
+    buffer = max(bucket, max(vocab, _mlp_fc1_rows(arch) // 2) * h * e)
     transport = rollout.weight_transport
     if transport == "auto":
         transport = ("cuda_ipc" if rollout.placement == "colocated" and rollout.engine == "vllm" else "collective") if (

@@ -6,7 +6,7 @@ runs one train step in a fresh process (``benchmarks/actor_memory.py --case``), 
 compares the peak resident memory of the rank that needs most (above what the process
 held once megatron's process groups existed) with the planner's training peak for the
 same settings. The variations cover the loss path (fused lm-head vs logits), TP=2 with
-full recompute, and PP=2 with selective recompute.
+full recompute, PP=2 with selective recompute, and a mixture-of-experts model.
 
 The step runs with glibc's mmap threshold fixed (``MALLOC_MMAP_THRESHOLD_``): every
 tensor of 128 KiB or more is its own mapping, returned when freed, so the peak is the
@@ -43,6 +43,8 @@ CASES = {
     "tp1_logits": {"loss_impl": "logits"},
     "tp2_full_recompute": {"tp": 2, "recompute": "full"},
     "pp2_selective_recompute": {"pp": 2, "recompute": "selective", "seq_len": 512},
+    # a mixture of experts (Qwen3-MoE: 8 experts of width 512, 2 per token)
+    "tp1_moe": {"experts": 8, "expert_ffn": 512, "topk": 2},
 }
 
 

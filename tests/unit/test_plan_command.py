@@ -19,6 +19,8 @@ from megatron_rl.config.trainer import ActorConfig, TrainerConfig
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE_14B = REPO / "examples" / "kk_logic" / "ar_lopti_14b.yaml"
 QWEN25_14B = REPO / "examples" / "architectures" / "qwen2.5-14b.json"
+EXAMPLE_30B_A3B = REPO / "examples" / "kk_logic" / "ar_lopti_30b_a3b.yaml"
+QWEN3_30B_A3B = REPO / "examples" / "architectures" / "qwen3-30b-a3b.json"
 
 
 def _plan(*args: str) -> subprocess.CompletedProcess:
@@ -64,6 +66,40 @@ def test_parameters_and_state_by_hand():
         )  # fmt: skip
         # torch's AdamW unfused: float32 temporaries the size of its parameters
         assert unfused.components["optimizer_step_temporaries"] == 4 * total
+
+
+def test_moe_parameters_match_transformers_and_the_experts_state_shards_over_dp_by_ep():
+    """A tiny Qwen3-MoE: the planner's parameter count equals transformers' (its experts
+    fused, every tensor counted once); at EP = 2 each rank holds half the experts, whose
+    Adam state the distributed optimizer shards over DP / EP ranks, the rest over DP."""
+    import transformers
+
+    from megatron_rl.cluster.planner import stage_expert_parameters
+    from tests.helpers.tiny_hf import build_model
+
+    hf = build_model("qwen3_moe", 0)
+    arch = Architecture.from_hf_config(hf.config.to_dict())
+    total, active = arch.parameters()
+    assert isinstance(hf, transformers.PreTrainedModel) and total == sum(p.numel() for p in hf.parameters())
+    e, k, h, f, layers = arch.num_experts, arch.moe_topk, arch.hidden_size, arch.moe_ffn_hidden_size, arch.num_layers
+    assert total - active == (e - k) * 3 * h * f * layers
+    experts = stage_expert_parameters(arch, tp=1, pp=1, ep=2)
+    assert experts == layers * (e // 2) * 3 * h * f
+    params = stage_parameters(arch, tp=1, pp=1, stage=0, ep=2)
+    assert params == stage_parameters(arch, tp=1, pp=1, stage=0) - experts
+    plan = plan_memory(
+        arch, parallel=ParallelConfig(num_actor_ranks=4, expert_model_parallel_size=2), model=ModelOptions(dtype="bfloat16"),
+        trainer=TrainerConfig(), actor=ActorConfig(), rollout=RolloutConfig(), with_reference=False, use_te=True,
+    )  # fmt: skip
+    assert plan.components["parameters"] == 2 * params
+    assert plan.components["optimizer_state"] == (params - experts) * 12 // 4 + experts * 12 // 2
+
+
+def test_the_30b_a3b_example_fits_2x8x80gb():
+    out = subprocess.run([sys.executable, "-m", "megatron_rl", "plan", str(EXAMPLE_30B_A3B), f"model.hf_config={QWEN3_30B_A3B}",
+                          "--gpu-memory-gb", "80"], capture_output=True, text=True, cwd=REPO, timeout=300)  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "30.53B parameters, 3.35B active per token (8 of 128 experts)" in out.stdout
 
 
 def test_an_optimizer_kernel_without_torchs_adam_is_a_config_error(monkeypatch):
