@@ -263,7 +263,7 @@ def _expert_on_ep_group(
     """Expert ``unit.expert``'s full tensor on every rank of the owning stage's EP group:
     the expert-parallel rank holding it (experts ``r * E / EP`` onwards on rank r) gathers
     its TP shards, then broadcasts over ``groups.ep`` (expert TP = TP, the only layout here)."""
-    owner = unit.expert // (unit.num_experts // groups.ep_size)
+    owner = _expert_owner(unit, groups)
     if stage != groups.pp_rank:
         return torch.empty(unit.mcore_shape, dtype=dtype, device=device)
     if groups.ep_rank == owner:
@@ -273,6 +273,11 @@ def _expert_on_ep_group(
         full = torch.empty(unit.mcore_shape, dtype=dtype, device=device)
     dist.broadcast(full, src=dist.get_global_rank(groups.ep, owner), group=groups.ep)
     return full
+
+
+def _expert_owner(unit: Any, groups: ProcessGroups) -> int:
+    """The expert-parallel rank holding expert ``unit.expert`` (rank r: experts ``r * E / EP`` onwards)."""
+    return unit.expert // (unit.num_experts // groups.ep_size)
 
 
 def _in_first_expert_copy(groups: ProcessGroups) -> bool:
@@ -290,7 +295,7 @@ def _expert_on_first_rank(
     sends the tensor to rank 0 point to point (world group). Rank 0 finds the sender as
     its own EP group's member ``owner`` moved to ``stage`` (pipeline stages are the
     outermost dimension of megatron's rank order, so a stage is a constant rank offset)."""
-    owner = unit.expert // (unit.num_experts // groups.ep_size)
+    owner = _expert_owner(unit, groups)
     rank = dist.get_rank()
     if stage == groups.pp_rank and groups.ep_rank == owner:
         full = gather_tp_shards_to_first(unit.mcore_name, local[unit.mcore_name], groups=groups,
