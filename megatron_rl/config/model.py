@@ -47,7 +47,8 @@ class TinyModelConfig:
     """Key/value heads (grouped-query attention); must divide ``num_attention_heads``."""
 
     intermediate_size: int = 128
-    """Hidden width of the MLP (SwiGLU)."""
+    """Hidden width of the MLP (SwiGLU); a mixture of experts writes it to its config but,
+    with every layer sparse, uses ``moe_intermediate_size``."""
 
     vocab_size: int = 512
     """Vocabulary size; must cover the tokenizer's ids."""
@@ -96,6 +97,11 @@ class TinyModelConfig:
                 f"got {self.num_experts} with model_type {self.model_type!r}; qwen3_moe needs experts (> 0), "
                 "the dense types none (0)",
             )
+        if not self.num_experts:
+            # A dense model has no experts to read these: set, they would be ignored.
+            for name in ("num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "router_aux_loss_coef"):
+                if getattr(self, name) != TinyModelConfig.__dataclass_fields__[name].default:
+                    raise ConfigError(name, f"got {getattr(self, name)!r}; only a mixture of experts (num_experts > 0) reads it")
         if self.num_experts and not 1 <= self.num_experts_per_tok <= self.num_experts:
             raise ConfigError(
                 "num_experts_per_tok", f"got {self.num_experts_per_tok}; must be in [1, num_experts = {self.num_experts}]"

@@ -259,6 +259,16 @@ def test_resume_forms():
     assert TrainerConfig(resume="runs/x/checkpoints/step_10").resume_path == Path("runs/x/checkpoints/step_10")
 
 
+def test_tiny_moe_fields_on_a_dense_model_are_refused():
+    with pytest.raises(ConfigError) as info:
+        TinyModelConfig(num_experts_per_tok=4)
+    assert info.value.path == "num_experts_per_tok"
+    with pytest.raises(ConfigError) as info:
+        TinyModelConfig(model_type="qwen2", num_experts=4)
+    assert info.value.path == "num_experts"
+    assert TinyModelConfig(model_type="qwen3_moe", num_experts=4, num_experts_per_tok=4).num_experts_per_tok == 4
+
+
 def test_tiny_to_hf_config_dict():
     hf = TinyModelConfig(num_layers=3).to_hf_config_dict()
     assert hf["num_hidden_layers"] == 3 and hf["model_type"] == "qwen2"
