@@ -217,7 +217,7 @@ class RolloutConfig(SamplingSettings):
             raise ConfigError("weight_transport", f"{self.weight_transport!r}: an engine in the driver's process "
                               "loads weight buckets (use auto, object_store or shared_memory)")  # fmt: skip
         if self.engine == "vllm":
-            raise ConfigError("engine", "vllm runs its own engine-core processes; engine_process: driver takes "
+            raise ConfigError("engine", "vllm runs its own worker processes; engine_process: driver takes "
                               "'hf' or a user engine")  # fmt: skip
         defaults = PoolConfig()
         for name in ("max_restarts", "restart_timeout_s", "request_timeout_s", "max_inflight_requests_per_engine",

@@ -16,7 +16,8 @@ from megatron_rl.cluster.placement import GroupPlacement  # noqa: E402
 from megatron_rl.config.rollout import PoolConfig, RolloutConfig  # noqa: E402
 from megatron_rl.rollout import RolloutEngineError, RolloutPool, SamplingParams  # noqa: E402
 from megatron_rl.rollout.engines.hf import HFEngine  # noqa: E402
-from megatron_rl.rollout.pool.recovery import DIED_FOR_GOOD_AFTER_S, wait_until_back  # noqa: E402
+from megatron_rl.rollout.pool import recovery  # noqa: E402
+from megatron_rl.rollout.pool.recovery import wait_until_back  # noqa: E402
 from megatron_rl.weight_sync.buckets import MIB, make_buckets  # noqa: E402
 from megatron_rl.weight_sync.meta import TensorMeta  # noqa: E402
 from tests.helpers.rollout_models import build_qwen2, hf_state, reference_logprobs, save_qwen2  # noqa: E402
@@ -243,7 +244,7 @@ def _kill_behind_the_pools_back(pool, engine, *, restarts):
 
 
 @pytest.mark.parametrize("missed_deaths", [1, 2])
-def test_deaths_the_pool_missed_do_not_keep_it_waiting(ray_cluster, ckpts, missed_deaths):
+def test_deaths_the_pool_missed_do_not_keep_it_waiting(ray_cluster, ckpts, missed_deaths, monkeypatch):
     # max_restarts=1: the engine dies behind the pool's back (as one dying mid-sync does
     # before a repair), then the pool restarts it. One missed death: the pool counts it
     # from the new process's pid, so its kill leaves Ray no restart and the engine is given
@@ -251,6 +252,8 @@ def test_deaths_the_pool_missed_do_not_keep_it_waiting(ray_cluster, ckpts, misse
     # a restart left, takes calls that keep failing as "died" for DIED_FOR_GOOD_AFTER_S as
     # out of restarts. Either way not waited for until restart_timeout_s (600 s here).
     config = RolloutConfig(num_engines=2, pool=PoolConfig(max_restarts=1, restart_timeout_s=600))
+    # Here every "died" is for good: 10 s of them is as conclusive as the default's 30.
+    monkeypatch.setattr(recovery, "DIED_FOR_GOOD_AFTER_S", 10.0)
     name = f"missed{missed_deaths}"
     small = RolloutPool(config, str(ckpts[0]), name_prefix=name, placement=GroupPlacement.uniform(2, num_cpus=1))
     try:
@@ -259,7 +262,7 @@ def test_deaths_the_pool_missed_do_not_keep_it_waiting(ray_cluster, ckpts, misse
             _kill_behind_the_pools_back(small, 1, restarts=death <= config.pool.max_restarts)
         start = time.monotonic()
         small.restart([1])
-        assert time.monotonic() - start < DIED_FOR_GOOD_AFTER_S + 60
+        assert time.monotonic() - start < recovery.DIED_FOR_GOOD_AFTER_S + 60
         assert small.live_engines == [0]
         assert f"{name}-1 is dead and will not restart" in small.health()[1]["error"]
         assert small.generate(PROMPTS[:2], PARAMS)

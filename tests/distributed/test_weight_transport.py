@@ -111,33 +111,39 @@ def test_every_transport_gives_every_engine_the_actor_weights_bit_for_bit(env, l
         actors.shutdown()
 
 
-@pytest.mark.parametrize("transport", list(TRANSPORTS))
-def test_engine_killed_mid_sync_leaves_the_pool_consistent(env, transport):
-    pool, reset, arm, state = env
+@pytest.fixture(scope="module")
+def tp2_actors(env):
+    """A TP=2 actor group the killed-engine cases share: a sync reads its weights and changes
+    nothing of it (one group's start-up instead of one per case)."""
     actors = _actors(2, 1)
+    yield actors
+    actors.shutdown()
+
+
+@pytest.mark.parametrize("transport", list(TRANSPORTS))
+def test_engine_killed_mid_sync_leaves_the_pool_consistent(env, tp2_actors, transport):
+    pool, reset, arm, state = env
+    actors = tp2_actors
+    want = _digests(actors.hf_state_dict())
+    reset()
+    before = {h["engine"]: h["pid"] for h in pool.health()}
+    sync = _sync(actors, pool, transport)
     try:
-        want = _digests(actors.hf_state_dict())
-        reset()
-        before = {h["engine"]: h["pid"] for h in pool.health()}
-        sync = _sync(actors, pool, transport)
-        try:
-            arm.write_text("exit")  # the first engine to load a tensor of this sync exits
-            state["version"] += 1
-            stats = sync.run(state["version"])
-        finally:
-            sync.close()
-        assert not arm.exists()
-        # object store, shared memory: the pool restores the dead engine from the sync's
-        # buckets (the shared file's descriptor) itself; collective: the group is broken, so
-        # WeightSync restarts, rebuilds and retries once
-        assert stats["weight_sync/retries"] == (0 if transport in BUCKETS else 1)
-        health = pool.health()
-        assert all(h["ok"] for h in health), health
-        after = {h["engine"]: h["pid"] for h in health}
-        restarted = {e for e in before if after[e] != before[e]}
-        # the killed engine, and with a collective also any engine that had received part of it
-        assert len(restarted) == 1 if transport in BUCKETS else len(restarted) >= 1, restarted
-        assert _engine_digests(pool) == [want, want]
-        assert all(h["weight_version"] == state["version"] for h in health)
+        arm.write_text("exit")  # the first engine to load a tensor of this sync exits
+        state["version"] += 1
+        stats = sync.run(state["version"])
     finally:
-        actors.shutdown()
+        sync.close()
+    assert not arm.exists()
+    # object store, shared memory: the pool restores the dead engine from the sync's
+    # buckets (the shared file's descriptor) itself; collective: the group is broken, so
+    # WeightSync restarts, rebuilds and retries once
+    assert stats["weight_sync/retries"] == (0 if transport in BUCKETS else 1)
+    health = pool.health()
+    assert all(h["ok"] for h in health), health
+    after = {h["engine"]: h["pid"] for h in health}
+    restarted = {e for e in before if after[e] != before[e]}
+    # the killed engine, and with a collective also any engine that had received part of it
+    assert len(restarted) == 1 if transport in BUCKETS else len(restarted) >= 1, restarted
+    assert _engine_digests(pool) == [want, want]
+    assert all(h["weight_version"] == state["version"] for h in health)

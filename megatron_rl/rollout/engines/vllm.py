@@ -10,7 +10,9 @@ differs by platform is chosen here, once:
   ``skip_tokenizer_init=True`` (prompts and outputs are token ids),
   ``enable_sleep_mode`` where the platform has it (CUDA; vLLM refuses it on CPU), and on
   CPU ``enforce_eager=True`` (no compile step at start-up) and a 1 GiB KV cache
-  (``kv_cache_memory_bytes``, unless ``VLLM_CPU_KVCACHE_SPACE`` is set). ``logprobs_mode`` is always
+  (``kv_cache_memory_bytes``, unless ``VLLM_CPU_KVCACHE_SPACE`` is set). On CPU the engine
+  core runs in the engine's own process (``VLLM_ENABLE_V1_MULTIPROCESSING=0`` unless set)
+  with the workers as child processes (``mp``), one vLLM process fewer per engine. ``logprobs_mode`` is always
   ``processed_logprobs`` (the contract's log-probs, below) and the weight-transfer
   backend is the pool's (:meth:`VLLMEngine.weight_transfer_args`).
 - **Tensor parallelism** (``rollout.tensor_parallel_size``): vLLM's workers are child
@@ -150,6 +152,13 @@ class VLLMEngine(RolloutEngine):
         if not has_weights(model_path):  # a config alone: vLLM's dummy weights until the first update
             defaults["load_format"] = "dummy"
         workers = int(engine_args.get("tensor_parallel_size", 1)) * int(engine_args.get("pipeline_parallel_size", 1))
+        if current_platform.is_cpu():
+            # The engine core runs in this process (vLLM's in-process client): one process and
+            # one vLLM import fewer per engine, which on a CPU host costs its cores ~15 s at
+            # every start, and no engine-core process competing with the workers for them.
+            # The workers stay child processes ("mp"): vLLM's CPU OpenMP set-up needs them.
+            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+            defaults["distributed_executor_backend"] = "mp"
         if workers > 1:
             defaults["distributed_executor_backend"] = "mp"
             backend = engine_args.get("distributed_executor_backend", "mp")
@@ -241,8 +250,8 @@ class VLLMEngine(RolloutEngine):
 
     @staticmethod
     def child_pids() -> list[int]:
-        """PIDs of the processes this engine started (vLLM's engine core and workers), so a
-        caller can check that none outlives the engine."""
+        """PIDs of the processes this engine started (vLLM's workers, and its engine core where
+        that is a process: on GPUs), so a caller can check that none outlives the engine."""
         import psutil  # a vLLM dependency
 
         return sorted(p.pid for p in psutil.Process().children(recursive=True))
@@ -365,7 +374,7 @@ class VLLMEngine(RolloutEngine):
         return group
 
     def shutdown(self) -> None:
-        """Stop vLLM's engine-core and worker processes now (not at garbage collection)."""
+        """Stop vLLM's engine core and worker processes now (not at garbage collection)."""
         llm, self.llm = getattr(self, "llm", None), None
         if llm is not None:
             llm.llm_engine.engine_core.shutdown()
