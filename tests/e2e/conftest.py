@@ -39,6 +39,20 @@ KL_RUN = ("trainer.num_steps=3", "trainer.eval_every_steps=0", "trainer.save_eve
 """A 3-step run with a KL term (so a reference policy) and a checkpoint mid-way."""
 
 
+def train_in_process(config) -> list[dict]:
+    """Train ``config`` in this process (the caller's Ray cluster); its logged metrics, in
+    step order."""
+    from megatron_rl.loop.pipeline import make_trainer
+    from megatron_rl.observability import read_metrics
+
+    trainer = make_trainer(config)
+    try:
+        trainer.run()
+    finally:
+        trainer.close()
+    return read_metrics(config.run_dir)
+
+
 @dataclass
 class TinyRun:
     """What :func:`tiny_run` keeps of a finished in-process run."""

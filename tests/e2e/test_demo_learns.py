@@ -11,9 +11,7 @@ import statistics
 
 import pytest
 
-from megatron_rl.loop.pipeline import make_trainer
-from megatron_rl.observability import read_metrics
-from tests.e2e.conftest import MOE_EXAMPLE, tiny_config
+from tests.e2e.conftest import MOE_EXAMPLE, tiny_config, train_in_process
 
 NUM_STEPS, WINDOW = 200, 25
 
@@ -38,12 +36,7 @@ def test_tiny_demo_reward_rises_beyond_noise(seed, mode, tmp_path, ray_session):
         "trainer.save_every_steps=0", "logging.token_diagnostics=false", *overrides,
         **({} if example is None else {"example": example}),
     )  # fmt: skip
-    trainer = make_trainer(cfg)
-    try:
-        trainer.run()
-    finally:
-        trainer.close()
-    records = read_metrics(cfg.run_dir)
+    records = train_in_process(cfg)
     rewards = [r["rollout/reward/mean"] for r in records]
     assert len(rewards) == NUM_STEPS
     first, last = rewards[:WINDOW], rewards[-WINDOW:]

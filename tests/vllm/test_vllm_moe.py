@@ -85,9 +85,7 @@ def test_moe_actor_at_ep2_trains_with_vllm_and_the_logprobs_agree(tmp_path):
     over two actor ranks: every step's weights go from the actor (expert-parallel ranks
     gathered to rank 0) to vLLM's worker over the collective gloo transport, and vLLM's
     sampled tokens' log-probs equal the actor's recomputation (measured: <= 6e-7)."""
-    from megatron_rl.loop.pipeline import make_trainer
-    from megatron_rl.observability import read_metrics
-    from tests.e2e.conftest import MOE_EXAMPLE, tiny_config
+    from tests.e2e.conftest import MOE_EXAMPLE, tiny_config, train_in_process
     from tests.ray_cluster import shared_ray
 
     shared_ray("e2e")  # a CPU cluster (the vLLM tier's has stand-in GPUs, which the builder would place on)
@@ -98,12 +96,7 @@ def test_moe_actor_at_ep2_trains_with_vllm_and_the_logprobs_agree(tmp_path):
         "rollout.weight_transport=collective", "parallel.num_actor_ranks=2", "parallel.expert_model_parallel_size=2",
         example=MOE_EXAMPLE,
     )  # fmt: skip
-    trainer = make_trainer(config)
-    try:
-        trainer.run()
-    finally:
-        trainer.close()
-    rows = read_metrics(config.run_dir)
+    rows = train_in_process(config)
     assert [r["step"] for r in rows] == list(range(1, TRAIN_STEPS + 1))
     for r in rows:
         assert r["rollout/logp_mismatch/max_abs"] <= TOL, r["rollout/logp_mismatch/max_abs"]
