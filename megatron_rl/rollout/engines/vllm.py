@@ -12,9 +12,10 @@ differs by platform is chosen here, once:
   CPU ``enforce_eager=True`` (no compile step at start-up) and a 1 GiB KV cache
   (``kv_cache_memory_bytes``, unless ``VLLM_CPU_KVCACHE_SPACE`` is set). On CPU the engine
   core runs in the engine's own process (``VLLM_ENABLE_V1_MULTIPROCESSING=0`` unless set)
-  with the workers as child processes (``mp``), one vLLM process fewer per engine. ``logprobs_mode`` is always
-  ``processed_logprobs`` (the contract's log-probs, below) and the weight-transfer
-  backend is the pool's (:meth:`VLLMEngine.weight_transfer_args`).
+  with the workers as child processes (``mp``, the only executor taken there), one vLLM
+  process fewer per engine. ``logprobs_mode`` is always ``processed_logprobs`` (the
+  contract's log-probs, below) and the weight-transfer backend is the pool's
+  (:meth:`VLLMEngine.weight_transfer_args`).
 - **Tensor parallelism** (``rollout.tensor_parallel_size``): vLLM's workers are child
   processes of the engine's Ray actor (``distributed_executor_backend="mp"``, set
   explicitly: inside a Ray placement group vLLM would otherwise pick its Ray executor,
@@ -90,6 +91,21 @@ CPU_MOE_REPACK_VLLM = "0.32."
 """vLLM releases whose CPU fused-MoE weights need :func:`_repack_cpu_moe` after an update."""
 
 
+def _fused_moe_layers(worker: Any) -> list[tuple[Any, Any]]:
+    """The worker's fused-MoE layers, each with its kernel's experts object."""
+    layers = []
+    for module in worker.model_runner.model.modules():
+        experts = getattr(getattr(getattr(module, "quant_method", None), "moe_kernel", None), "fused_experts", None)
+        if experts is not None and hasattr(module, "w13_weight"):
+            layers.append((module, experts))
+    return layers
+
+
+def _has_fused_moe(worker: Any) -> bool:
+    """Run on each vLLM worker: whether its model has fused-MoE layers."""
+    return bool(_fused_moe_layers(worker))
+
+
 def _repack_cpu_moe(worker: Any) -> int:
     """Run on each vLLM worker (``LLM.collective_rpc``) after an in-place weight update on
     CPU: re-pack every fused-MoE layer's expert weights into the CPU kernel's grouped-GEMM
@@ -101,22 +117,10 @@ def _repack_cpu_moe(worker: Any) -> int:
     writes the new experts back in the plain layout, which the kernel then reads as
     packed: measured, every dense tensor equal to a fresh load and log-probs off by up
     to 6.9; after this, within 4e-6 of ``transformers``."""
-    repacked = 0
-    for module in worker.model_runner.model.modules():
-        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
-        experts = getattr(kernel, "fused_experts", None)
-        if experts is not None and hasattr(module, "w13_weight"):
-            experts.process_weights_after_loading(module)
-            repacked += 1
-    return repacked
-
-
-def _repack_cpu_moe_needed(worker: Any) -> bool:
-    """Whether the worker's model has fused-MoE layers (see :func:`_repack_cpu_moe`)."""
-    return any(
-        getattr(getattr(getattr(m, "quant_method", None), "moe_kernel", None), "fused_experts", None) is not None
-        for m in worker.model_runner.model.modules()
-    )
+    layers = _fused_moe_layers(worker)
+    for module, experts in layers:
+        experts.process_weights_after_loading(module)
+    return len(layers)
 
 
 class _OwnWorkers:
@@ -189,18 +193,18 @@ class VLLMEngine(RolloutEngine):
             # The engine core runs in this process (vLLM's in-process client): one process and
             # one vLLM import fewer per engine, which on a CPU host costs its cores ~15 s at
             # every start, and no engine-core process competing with the workers for them.
-            # The workers stay child processes ("mp"): vLLM's CPU OpenMP set-up needs them.
             os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-            defaults["distributed_executor_backend"] = "mp"
-        if workers > 1:
+        if workers > 1 or current_platform.is_cpu():
             defaults["distributed_executor_backend"] = "mp"
             backend = engine_args.get("distributed_executor_backend", "mp")
             if backend != "mp":
-                # Inside the project's placement group vLLM's Ray executor would ask for the
-                # GPU bundles the actor and the other engines hold (a hang, or wrong GPUs).
+                # A multi-worker engine: inside the project's placement group vLLM's Ray
+                # executor would ask for the GPU bundles the actor and the other engines hold
+                # (a hang, or wrong GPUs). On CPU: vLLM's OpenMP set-up needs worker processes,
+                # and a worker inside this process could not take host tensors over gloo from it.
                 raise ValueError(
-                    f"engine_args.distributed_executor_backend={backend!r}: a multi-worker engine runs its "
-                    "workers as child processes ('mp') on the GPUs its Ray actor was given"
+                    f"engine_args.distributed_executor_backend={backend!r}: the engine runs its workers as "
+                    "child processes ('mp'), on the GPUs its Ray actor was given or on CPU"
                 )
             if current_platform.is_cpu() and os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto") == "auto":
                 # vLLM's automatic binding wants one NUMA node per worker; bind each worker to
@@ -239,7 +243,7 @@ class VLLMEngine(RolloutEngine):
         self._repack_moe = (
             current_platform.is_cpu()
             and getattr(vllm, "__version__", "").startswith(CPU_MOE_REPACK_VLLM)
-            and any(self.llm.collective_rpc(_repack_cpu_moe_needed))
+            and any(self.llm.collective_rpc(_has_fused_moe))
         )
 
     @classmethod
