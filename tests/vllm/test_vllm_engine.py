@@ -145,3 +145,12 @@ def test_shutdown_leaves_no_vllm_process(fresh_b):
         except psutil.NoSuchProcess:
             pass
     assert not alive
+
+
+def test_an_engine_leaves_the_process_environment_as_it_found_it(engine):
+    """The CPU thread binding is sized for one engine's workers: left in the process, a
+    later engine of another tensor-parallel size (or a Ray cluster started from this
+    process) would inherit a binding with the wrong number of workers."""
+    import os
+
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in os.environ

@@ -48,7 +48,8 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -89,6 +90,21 @@ def cpu_binding(cores: Sequence[int], *, workers: int, cores_per_engine: int) ->
 
 CPU_MOE_REPACK_VLLM = "0.32."
 """vLLM releases whose CPU fused-MoE weights need :func:`_repack_cpu_moe` after an update."""
+
+
+@contextmanager
+def _environment(variables: dict[str, str]) -> Iterator[None]:
+    """Set ``variables`` in this process's environment for the block, then restore them."""
+    saved = {name: os.environ.get(name) for name in variables}
+    os.environ.update(variables)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def _fused_moe_layers(worker: Any) -> list[tuple[Any, Any]]:
@@ -164,6 +180,7 @@ class VLLMEngine(RolloutEngine):
     ):  # fmt: skip
         try:
             import vllm
+            import vllm.envs
             from vllm.platforms import current_platform
         except ImportError as exc:  # a clear message instead of a bare ModuleNotFoundError
             raise ImportError(
@@ -206,12 +223,14 @@ class VLLMEngine(RolloutEngine):
                     f"engine_args.distributed_executor_backend={backend!r}: the engine runs its workers as "
                     "child processes ('mp'), on the GPUs its Ray actor was given or on CPU"
                 )
-            if current_platform.is_cpu() and os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto") == "auto":
-                # vLLM's automatic binding wants one NUMA node per worker; bind each worker to
-                # its share of this process's cores instead (inherited by vLLM's processes).
-                os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_binding(
-                    sorted(os.sched_getaffinity(0)), workers=workers, cores_per_engine=torch.get_num_threads()
-                )
+        spawn_env: dict[str, str] = {}
+        if workers > 1 and current_platform.is_cpu() and os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto") == "auto":
+            # vLLM's automatic binding wants one NUMA node per worker; bind each worker to its
+            # share of this process's cores instead. Set only while vLLM spawns its workers (they
+            # inherit it): left in this process, a later engine of another size would read it.
+            spawn_env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_binding(
+                sorted(os.sched_getaffinity(0)), workers=workers, cores_per_engine=torch.get_num_threads()
+            )
         args = {**defaults, **engine_args, "logprobs_mode": "processed_logprobs"}
         args.setdefault("weight_transfer_config", {"backend": GLOO})
         self.name = name
@@ -224,7 +243,12 @@ class VLLMEngine(RolloutEngine):
             # dtypes, devices): vLLM's engine-core messages refuse them unless pickling is
             # allowed. Only the run's own actor talks to this engine.
             os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
-        self.llm = vllm.LLM(model=self.model_path, **args)
+        if hasattr(vllm.envs, "disable_envs_cache"):
+            # An in-process engine core freezes vLLM's view of the environment once it starts
+            # (enable_envs_cache): a later engine in this process must read today's values.
+            vllm.envs.disable_envs_cache()
+        with _environment(spawn_env):
+            self.llm = vllm.LLM(model=self.model_path, **args)
         self._vllm = vllm
         self._sleep_mode = bool(args["enable_sleep_mode"])
         self._sleeping = False
