@@ -176,7 +176,7 @@ class MegatronActor(PolicyModel):
         algorithm = algorithm or self.algorithm
         batch.require_training_fields(algorithm.needs_ref_logp, need_old=not on_policy)
         start = time.perf_counter()
-        local = batch.select(self._local_rows(batch.num_sequences))
+        local = self._local_batch(batch)
         if on_policy:
             local = replace(local, old_logp=None)
         if tis_cap is not None and not (on_policy and local.engine_logp is not None and not needs_prepass(algorithm)):
@@ -256,6 +256,9 @@ class MegatronActor(PolicyModel):
         }
         metrics.update(finalize_metrics(merged))
         metrics.update(router_metrics)
+        agreement = self.routing_agreement()
+        if agreement is not None:
+            metrics["moe/routing_agreement"] = agreement
         n, length = batch.input_ids.shape
         if token_grad_norms:
             self.last_token_grad_norms = gather_token_values(

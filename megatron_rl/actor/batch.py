@@ -42,6 +42,7 @@ __all__ = [
     "AUTO_PACK_PADDING_FRACTION",
     "ActorBatch",
     "MicroBatch",
+    "NO_ROUTE",
     "filler_microbatch",
     "make_microbatches",
     "padding_fraction",
@@ -49,6 +50,9 @@ __all__ = [
     "plan_packs",
     "resolve_packing",
 ]
+
+NO_ROUTE = -1
+"""A ``routed_experts`` entry for a token the engine did not route (the actor routes it)."""
 
 AUTO_PACK_PADDING_FRACTION = 0.2
 """``trainer.pack_sequences: auto`` without Transformer Engine packs when the padded plan's
@@ -94,14 +98,24 @@ class ActorBatch:
     position_ids: torch.Tensor | None = None
     """Optional ``[N, L]``; must equal ``arange(L)`` per row (RoPE positions are implicit)."""
 
+    routed_experts: torch.Tensor | None = None
+    """Optional ``[N, L, M, k]`` integer: the experts the rollout engine routed token
+    ``input_ids[i, t]`` to in each of the model's ``M`` MoE layers (its top-k), -1 where it
+    routed none (each sequence's last token, padding). With it, a policy with routing
+    replay routes by it (``actor/routing_replay.py``). Input-aligned, not shifted."""
+
     def __post_init__(self) -> None:
         if self.input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [N, L], got shape {tuple(self.input_ids.shape)}")
         shape = self.input_ids.shape
         for f in fields(self):
             t = getattr(self, f.name)
-            if t is not None and t.shape != shape:
+            if t is not None and f.name != "routed_experts" and t.shape != shape:
                 raise ValueError(f"{f.name} has shape {tuple(t.shape)}; input_ids is {tuple(shape)}")
+        routes = self.routed_experts
+        if routes is not None and (routes.dim() != 4 or routes.shape[:2] != shape):
+            raise ValueError(f"routed_experts has shape {tuple(routes.shape)}; want [N, L, M, k] with "
+                             f"[N, L] = {tuple(shape)}")  # fmt: skip
         mask = self.attention_mask.bool()
         lengths = mask.sum(dim=1)
         prefix = torch.arange(shape[1], device=mask.device)[None, :] < lengths[:, None]
@@ -183,6 +197,10 @@ class MicroBatch:
     """``[b, s]`` shifted advantages (reweighting applied by ``train_step``)."""
     engine_logp: torch.Tensor | None = None
     """``[b, s]`` shifted engine log-probs (an on-policy step's TIS reads them in the loss)."""
+    routed_experts: torch.Tensor | None = None
+    """``[b, s, M, k]`` (``[1, S, M, k]`` packed) the engine's experts per token and MoE
+    layer, aligned with ``input_ids`` (NOT shifted: routing is about the input token), -1
+    on padding and where the engine routed none."""
 
     @property
     def num_tokens_padded(self) -> int:
@@ -302,6 +320,20 @@ def plan_packs(lengths: list[int], max_tokens: int) -> list[list[int]]:
     return packs
 
 
+def _none_or(t: torch.Tensor | None, f) -> torch.Tensor | None:
+    return None if t is None else f(t)
+
+
+def _cut_routes(t: torch.Tensor | None, s: int, device) -> torch.Tensor | None:
+    """``[b, L, M, k]`` routes trimmed or padded (``NO_ROUTE``) to ``s`` positions."""
+    if t is None:
+        return None
+    t = t[:, :s]
+    if t.shape[1] < s:
+        t = torch.nn.functional.pad(t, (0, 0, 0, 0, 0, s - t.shape[1]), value=NO_ROUTE)
+    return t.to(device)
+
+
 def _shift_left(t: torch.Tensor | None, fill: float = 0) -> torch.Tensor | None:
     if t is None:
         return None
@@ -361,6 +393,7 @@ def make_microbatches(
                 ref_logp=_shift_left(cut(sub.ref_logp)),
                 advantages=_shift_left(cut(sub.advantages)),
                 engine_logp=_shift_left(cut(sub.engine_logp)),
+                routed_experts=_cut_routes(sub.routed_experts, s, device),
                 num_real_tokens=sum(lengths[i] for i in rows),
             )
         )
@@ -389,6 +422,7 @@ def filler_microbatch(like: MicroBatch, length: int) -> MicroBatch:
         ref_logp=zeros(like.ref_logp),
         advantages=zeros(like.advantages),
         engine_logp=zeros(like.engine_logp),
+        routed_experts=_cut_routes(_none_or(like.routed_experts, lambda t: t[:1, :0]), length, ids.device),
     )
 
 
@@ -423,6 +457,7 @@ def _pack(batch: ActorBatch, rows: list[int], lengths: list[int], device, multip
         ref_logp=flat(sub.ref_logp),
         advantages=flat(sub.advantages),
         engine_logp=flat(sub.engine_logp),
+        routed_experts=_cut_routes(_none_or(sub.routed_experts, lambda t: t[:, :s][real][None]), total + tail, device),
         cu_seqlens=cu_seqlens,
         max_seqlen=max(bounds[1:]),
         num_real_tokens=total,

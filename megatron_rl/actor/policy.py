@@ -44,6 +44,7 @@ from megatron_rl.actor.model import (
     resolve_use_te,
 )
 from megatron_rl.actor.router_losses import RouterLossMeter
+from megatron_rl.actor.routing_replay import RoutingReplay
 from megatron_rl.actor.spec import ActorSpec
 from megatron_rl.actor.weights import HFWeightSource, iter_hf_weights, load_hf_weights
 from megatron_rl.algo import AlgorithmConfig, LossOutput
@@ -84,6 +85,10 @@ class LogProbs:
     column 0 and on padding."""
     entropy: torch.Tensor
     """``[N, L]`` float32 entropy of the next-token distribution that predicted token ``t``."""
+    routing_agreement: float | None = None
+    """With routing replay and a batch's ``routed_experts``: the share of the engine's
+    (token, layer, k) expert choices this policy's own routers made too (over the world);
+    else ``None``."""
 
 
 def pad_multiple(spec: ActorSpec, *, use_te: bool) -> int:
@@ -145,6 +150,18 @@ class PolicyModel:
         self.pad_multiple = pad_multiple(spec, use_te=self.use_te)
         self.router_losses: RouterLossMeter | None = None
         """A trained mixture-of-experts policy's router auxiliary losses (set by the actor)."""
+        self.routing_replay: RoutingReplay | None = None
+        """Set by :meth:`enable_routing_replay`: batches' ``routed_experts`` route the MoE layers."""
+
+    def enable_routing_replay(self) -> None:
+        """Route this policy's MoE layers by a batch's ``routed_experts`` from now on, in
+        log-prob and training forwards (``actor/routing_replay.py``); a batch without them
+        routes as before."""
+        if not self.transformer_config.num_moe_experts:
+            raise ValueError("routing replay needs a mixture-of-experts model; this one is dense")
+        self.routing_replay = RoutingReplay(
+            [self.model], self.transformer_config, tp_rank=self.groups.tp_rank, tp_size=self.groups.tp_size
+        )
 
     # ------------------------------------------------------------------ forward machinery
 
@@ -157,6 +174,16 @@ class PolicyModel:
         if n < self.groups.dp_size:
             raise ValueError(f"batch of {n} sequences is smaller than the data-parallel size {self.groups.dp_size}")
         return torch.arange(self.groups.dp_rank, n, self.groups.dp_size)
+
+    def _local_batch(self, batch: ActorBatch) -> ActorBatch:
+        """This data-parallel rank's rows of ``batch``; its engine routes checked on the
+        whole batch (every rank refuses alike, before any collective) and dropped without
+        routing replay."""
+        if self.routing_replay is None or batch.routed_experts is None:
+            batch = replace(batch, routed_experts=None)
+        else:
+            self.routing_replay.check(batch.routed_experts)
+        return batch.select(self._local_rows(batch.num_sequences))
 
     def _microbatches(self, batch: ActorBatch) -> list[MicroBatch]:
         budget = self.spec.trainer.max_tokens_per_microbatch
@@ -196,10 +223,12 @@ class PolicyModel:
             packed = _packed_seq_params(mb)
             mask = None if packed else self._attention_mask(mb.input_ids.shape[1], mb.input_ids.device)
             inputs = dict(attention_mask=mask, packed_seq_params=packed)
-            record = contextlib.nullcontext()
+            record = replay = contextlib.nullcontext()
             if self.router_losses is not None and not forward_only:
                 record = self.router_losses.recording(filler=not len(mb.rows))
-            with cpu_shim.suspended(mode), record:
+            if self.routing_replay is not None:
+                replay = self.routing_replay.replaying(mb.routed_experts, training=not forward_only)
+            with cpu_shim.suspended(mode), record, replay:
                 if hidden_only:
                     output = final_hidden_states(self.model, mb.input_ids, mb.position_ids(), **inputs)
                 else:  # labels=None: the last stage returns vocab-parallel logits [b, s, V/TP]
@@ -210,6 +239,8 @@ class PolicyModel:
             with cpu_shim.suspended(mode):
                 return loss_func(mb, output)
 
+        if self.routing_replay is not None:
+            self.routing_replay.begin()
         with cpu_shim.cuda_to_cpu() as mode:
             return get_forward_backward_func(pp_size=self.groups.pp_size)(
                 forward_step_func=forward_step,
@@ -314,11 +345,21 @@ class PolicyModel:
         """
         temperature = self.spec.temperature if temperature is None else temperature
         n, length = batch.input_ids.shape
-        rows = self._local_rows(n)
-        microbatches = self._microbatches(batch.select(rows))
+        local = self._local_batch(batch)
+        microbatches = self._microbatches(local)
         results = self._forward_logprobs(microbatches, temperature)
-        full = gather_token_values(self.groups, n, length, len(rows), microbatches, [[lp, h] for lp, h in results])
-        return LogProbs(logp=full[0].cpu(), entropy=full[1].cpu())
+        values = [[lp, h] for lp, h in results]
+        full = gather_token_values(self.groups, n, length, local.num_sequences, microbatches, values)
+        return LogProbs(logp=full[0].cpu(), entropy=full[1].cpu(), routing_agreement=self.routing_agreement())
+
+    def routing_agreement(self) -> float | None:
+        """The share of engine expert choices the routers also made in the forwards since
+        the last call, over the world (collective when replay is on); ``None`` without
+        replay or without engine choices."""
+        if self.routing_replay is None:
+            return None
+        agreed, compared = self.routing_replay.agreement(dist.group.WORLD)
+        return agreed / compared if compared else None
 
     # ------------------------------------------------------------------ weights
 

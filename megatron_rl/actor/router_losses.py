@@ -12,9 +12,13 @@ objective the optimizer follows is
     loss/total = (sum(policy loss) + sum over micro-batches, layers of coeff * loss * t) / count
 
 :class:`RouterLossMeter` reads the tracker around each router call of the training
-forwards (forward hooks) and reports, reduced over the pipeline stages and data-parallel
-replicas (the calls an activation recompute repeats in the backward pass run outside the
-schedule's forward step and are not counted: they add no second gradient):
+forwards that adds the losses (forward hooks), and reports, reduced over the pipeline
+stages and data-parallel replicas. Which call adds them: a router adds its losses only
+when it runs with grad. Without activation recompute that is the schedule's forward
+step. With a full recompute, megatron runs a checkpointed layer's forward without grad
+(no losses) and again in the backward pass with grad: the recomputed call adds them, so
+that is the one counted (each forward step's calls are queued per router and the
+recompute takes them in order: the backward passes of a layer run in its forwards' order).
 
 * ``moe/<name>``: the mean over the MoE layers and micro-batches of each loss as megatron
   logs it (``load_balancing_loss``: ``E * sum_i f_i P_i`` of one layer and micro-batch,
@@ -26,7 +30,7 @@ schedule's forward step and are not counted: they add no second gradient):
   gradients are summed over the TP group, so both reports sum the TP ranks' terms.
 
 A filler micro-batch (``actor.batch.filler_microbatch``) runs with the coefficients at 0,
-so it adds nothing to the gradient, the tracker or the metrics.
+its recomputed layers too, so it adds nothing to the gradient, the tracker or the metrics.
 """
 
 from __future__ import annotations
@@ -66,8 +70,12 @@ class RouterLossMeter:
         self.groups = groups
         self.routers = [m for chunk in chunks for m in chunk.modules() if isinstance(m, TopKRouter)]
         """This rank's routers (one per MoE layer of its pipeline stage)."""
-        self._active = False
+        self._forward: str | None = None
+        """Inside a training forward step: ``"real"`` or ``"filler"``; else ``None``."""
+        self._queued: dict[int, list[str]] = {}
+        """Per router: the forward steps whose losses its recompute adds (oldest first)."""
         self._before: dict[int, dict[str, float]] = {}
+        self._zeroed: dict[int, dict[str, Any]] = {}
         self.reset()
         for router in self.routers:
             router.register_forward_pre_hook(self._pre_hook)
@@ -80,6 +88,7 @@ class RouterLossMeter:
         from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
 
         get_moe_layer_wise_logging_tracker().clear()
+        self._queued = {}
         self.sums: dict[str, torch.Tensor] = {}
         """``{tracker name: sum of the losses of the counted router calls}`` (0-dim)."""
         self.weighted: dict[str, torch.Tensor] = {}
@@ -90,22 +99,24 @@ class RouterLossMeter:
     @contextlib.contextmanager
     def recording(self, *, filler: bool) -> Iterator[None]:
         """Count the router calls of one training forward; a filler runs without the losses."""
-        if not filler:
-            self._active = True
-            try:
-                yield
-            finally:
-                self._active = False
-            return
+        self._forward = "filler" if filler else "real"
+        saved = self._zero_coefficients() if filler else {}
+        try:
+            yield
+        finally:
+            self._forward = None
+            self._restore_coefficients(saved)
+
+    def _zero_coefficients(self) -> dict[str, Any]:
         saved = {field: getattr(self.config, field) for field in _COEFFICIENT_FIELDS}
         for field, value in saved.items():
             if value is not None:
                 setattr(self.config, field, [0.0] * len(value) if isinstance(value, (list, tuple)) else 0.0)
-        try:
-            yield
-        finally:
-            for field, value in saved.items():
-                setattr(self.config, field, value)
+        return saved
+
+    def _restore_coefficients(self, saved: dict[str, Any]) -> None:
+        for field, value in saved.items():
+            setattr(self.config, field, value)
 
     @staticmethod
     def _tracked(layer: int) -> dict[str, torch.Tensor]:
@@ -116,10 +127,24 @@ class RouterLossMeter:
         return {name: entry["values"][layer - 1].clone() for name, entry in tracker.items() if layer <= len(entry["values"])}
 
     def _pre_hook(self, router: torch.nn.Module, args: Any) -> None:
-        if self._active and router.training and torch.is_grad_enabled():
+        if not router.training:
+            return
+        kind = self._forward
+        if kind is not None and not torch.is_grad_enabled():  # a checkpointed layer's first pass
+            self._queued.setdefault(id(router), []).append(kind)
+            return
+        if kind is None:  # outside the forward step: a recompute in the backward pass, or nothing of ours
+            queue = self._queued.get(id(router))
+            if not (queue and torch.is_grad_enabled()):
+                return
+            kind = queue.pop(0)
+            if kind == "filler":
+                self._zeroed[id(router)] = self._zero_coefficients()
+        if kind == "real":
             self._before[id(router)] = self._tracked(router.layer_number)
 
     def _hook(self, router: torch.nn.Module, args: Any, output: Any) -> None:
+        self._restore_coefficients(self._zeroed.pop(id(router), {}))
         before = self._before.pop(id(router), None)
         if before is None:
             return

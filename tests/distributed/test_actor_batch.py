@@ -106,6 +106,31 @@ def test_packs_pad_their_end_as_a_segment_of_its_own():
     assert not mb.target_mask[0, 6:].any() and not mb.loss_mask[0, 6:].any()
 
 
+def test_routed_experts_stay_input_aligned_in_padded_packed_and_filler_microbatches():
+    from dataclasses import replace
+
+    from megatron_rl.actor.batch import NO_ROUTE, filler_microbatch
+
+    batch = _batch([8, 5, 3])
+    routes = torch.arange(3 * 8 * 2 * 2).reshape(3, 8, 2, 2)  # [N, L, M=2 layers, k=2]
+    routes[batch.attention_mask == 0] = NO_ROUTE
+    batch = replace(batch, routed_experts=routes)
+    padded = make_microbatches(batch, max_tokens=12)[1]  # rows 1, 2 trimmed to 5 positions
+    assert padded.routed_experts.shape == (2, 5, 2, 2)
+    assert torch.equal(padded.routed_experts, routes[1:, :5])  # NOT shifted: about the input token
+    wide = make_microbatches(batch, max_tokens=16, pad_to_multiple_of=16)[0]  # padded past the batch's width
+    assert wide.routed_experts.shape == (1, 16, 2, 2) and (wide.routed_experts[:, 8:] == NO_ROUTE).all()
+    packed = make_microbatches(batch, max_tokens=9, pack=True, pad_to_multiple_of=3)[1]  # rows 1, 2 + 1 pad
+    assert packed.routed_experts.shape == (1, 9, 2, 2)
+    assert torch.equal(packed.routed_experts[0, :8], torch.cat([routes[1, :5], routes[2, :3]]))
+    assert (packed.routed_experts[0, 8] == NO_ROUTE).all()
+    filler = filler_microbatch(packed, 4)
+    assert filler.routed_experts.shape == (1, 4, 2, 2) and (filler.routed_experts == NO_ROUTE).all()
+    assert torch.equal(batch.select([2]).routed_experts, routes[2:])
+    with pytest.raises(ValueError, match="routed_experts"):
+        replace(batch, routed_experts=routes[:, :5])
+
+
 def test_padding_fraction_and_the_auto_packing_decision():
     # Equal lengths: no padding, whatever the budget; auto pads (the local spec's packed
     # attention costs more per token) unless Transformer Engine runs.

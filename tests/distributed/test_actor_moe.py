@@ -5,7 +5,9 @@ without the load-balancing term TP = 2 with sequence parallelism and PP = 2 (one
 equal EP (two replicas); the reported load-balancing loss and the term it adds to the
 objective match a float64 computation from the routers' inputs; data-parallel ranks with
 different micro-batch counts run fillers at EP = 2 and still equal EP = 1; a checkpoint
-saved at EP = 2 resumes at EP = 2 like not stopping, and at EP = 1 with fresh Adam moments.
+saved at EP = 2 resumes at EP = 2 like not stopping, and at EP = 1 with fresh Adam moments;
+a full activation recompute changes nothing; routing replay equals transformers forced to
+the same experts (padded, packed, EP = 2, TP = 2, PP = 2) and survives a recompute.
 """
 
 from __future__ import annotations
@@ -99,3 +101,46 @@ def test_at_ep1_it_resumes_the_weights_and_restarts_adam(report, sharding):
     assert case["loaded_optimizer"] is False
     assert case["loss"][0] == pytest.approx(case["loss"][1], rel=TOL)  # the same weights before the step
     assert case["weights"] > 10 * TOL  # Adam restarted: another update
+
+
+def test_a_full_recompute_reports_the_router_losses_and_updates_alike(report):
+    """megatron runs a checkpointed layer's first pass without grad (no router losses) and
+    adds them when the backward pass recomputes it: counted there, fillers included."""
+    case = report["full_recompute"]
+    _same(case)
+    assert case["metrics"]["moe/load_balancing_loss"][0] > 1.0
+
+
+# Routing replay (tests/helpers/routing_replay_cases.py): "engine" routes from a perturbed
+# copy of the model, the reference transformers' Qwen3-MoE with its routers forced to them.
+
+
+def test_replaying_the_actors_own_routes_changes_nothing(report):
+    case = report["replay"]["own_routes"]
+    assert case == {"logp": 0.0, "agreement": 1.0}
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed", "ep2", "tp2_sp", "pp2"])
+def test_replayed_logprobs_equal_transformers_forced_to_the_same_experts(report, layout):
+    replay = report["replay"]
+    case = replay[layout]
+    assert case["logp"] <= TOL, case
+    # the share of the engine's choices the actor's routers made too, as transformers' own
+    # routers did in the forced forward (integer counts: exactly)
+    assert case["agreement"] == pytest.approx(replay["expected_agreement"], abs=1e-12)
+    assert 0.5 < replay["expected_agreement"] < 0.95  # the routes differ on a real share of the choices
+    if layout == "padded":
+        assert case["unreplayed_logp"] > 0.1, case  # without replay the log-probs differ
+
+
+def test_a_full_recompute_replays_the_routes_of_the_forward(report):
+    case = report["replay"]["recompute"]
+    assert case["loss"][0] == pytest.approx(case["loss"][1], rel=TOL)
+    assert case["agreement"][0] == case["agreement"][1] == report["replay"]["expected_agreement"]
+    assert case["weights"] <= TOL, case
+
+
+def test_routes_that_do_not_fit_the_model_are_refused_naming_the_field(report):
+    errors = report["replay"]["errors"]
+    assert "routed_experts has 2 layers x top-1" in errors["top_1"], errors
+    assert "routed_experts holds an expert outside [0, 4)" in errors["unknown_expert"], errors

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from tests.helpers.actor_scale_worker import PROMPT, L, N
 from tests.helpers.actor_scale_worker import make_batch as scale_batch
+from tests.helpers.routing_replay_cases import run_cases
 
 AUX_COEFF = 0.05
 """Larger than Qwen3-MoE's 0.001, so that the load-balancing term moves the weights visibly."""
@@ -32,6 +33,7 @@ def make_batch(vocab: int, *, uneven: bool = False):
 
 def run(spec: dict) -> dict:
     from dataclasses import replace
+    from functools import partial
 
     import torch
     import torch.distributed as dist
@@ -49,14 +51,14 @@ def run(spec: dict) -> dict:
     world = dist.get_world_size()
     hf_dir = spec["variants"]["qwen3_moe"]["hf_dir"]
 
-    def build(tp=1, pp=1, ep=1, *, aux=AUX_COEFF, **actor_options) -> MegatronActor:
+    def build(tp=1, pp=1, ep=1, *, aux=AUX_COEFF, pack="auto", **actor_options) -> MegatronActor:
         parallel = ParallelConfig(num_actor_ranks=world, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                   expert_model_parallel_size=ep, sequence_parallel=tp > 1)  # fmt: skip
         s = ActorSpec(
             architecture=hf_dir,
             parallel=parallel,
             model=ModelOptions(transformer_config_overrides={"moe_aux_loss_coeff": aux}),
-            trainer=TrainerConfig(lr=1e-3, adam_eps=1e-4, max_tokens_per_microbatch=64),
+            trainer=TrainerConfig(lr=1e-3, adam_eps=1e-4, max_tokens_per_microbatch=64, pack_sequences=pack),
             rollout=RolloutConfig(temperature=0.7),
             actor=ActorConfig(**({"use_distributed_optimizer": False} | actor_options)),
             algorithm=AlgorithmConfig(kl_coef=0.05),
@@ -67,9 +69,9 @@ def run(spec: dict) -> dict:
         lp = actor.compute_logprobs(batch)
         return replace(batch, old_logp=lp.logp + noise[0], ref_logp=lp.logp + noise[1])
 
-    def train(tp=1, pp=1, ep=1, *, aux=AUX_COEFF, uneven=False, capture=False) -> dict:
+    def train(tp=1, pp=1, ep=1, *, aux=AUX_COEFF, uneven=False, capture=False, **options) -> dict:
         """Load the HF weights, compute log-probs, take one step: what the test compares."""
-        actor = build(tp, pp, ep, aux=aux)
+        actor = build(tp, pp, ep, aux=aux, **options)
         actor.load_hf_weights(hf_dir)
         batch, noise = make_batch(actor.vocab_size, uneven=uneven)
         lp = actor.compute_logprobs(batch)
@@ -211,6 +213,10 @@ def run(spec: dict) -> dict:
     per_rank: list = [None] * world
     dist.all_gather_object(per_rank, uneven_ep2["microbatches"])
     report["uneven"] = {"ep2_vs_ep1": compare(uneven_ep2, uneven_ep1), "microbatches": per_rank}
+    # A full activation recompute re-runs the routers in the backward pass: the same
+    # losses, router metrics and update (fillers included: they add no loss there either).
+    report["full_recompute"] = compare(train(ep=2, uneven=True, recompute_granularity="full"), uneven_ep2)
+    report["replay"] = run_cases(partial(build, pack=False), hf_dir, make_batch(250)[0])
     return report
 
 
