@@ -92,6 +92,8 @@ class MegatronActor(PolicyModel):
         )
         if self.transformer_config.num_moe_experts:
             self.router_losses = RouterLossMeter(self.model_chunks, self.transformer_config, self.groups)
+        if spec.rollout.routing_replay:
+            self.enable_routing_replay()
         self.train_steps = 0
         """``train_step`` calls so far (skipped ones included)."""
         self.optimizer_steps = 0

@@ -135,6 +135,15 @@ class RolloutConfig(SamplingSettings):
     the log-prob mismatch metric and TIS then show the drift. The vLLM engine does not read
     it yet (a config error)."""
 
+    routing_replay: bool = False
+    """Mixture-of-experts models: the engines return the experts their routers chose for
+    each token, and the actor's log-prob and training forwards route by them instead of
+    choosing anew (R3), removing the largest source of MoE train/inference log-prob
+    mismatch; ``moe/routing_agreement`` reports the share of the engine's choices the
+    actor's routers made too. The built-in engine records its routers; vLLM returns them on
+    GPUs only (vLLM 0.32 needs its Triton-based model runner for it: a config error on CPU).
+    A dense model is a config error."""
+
     num_prompts_per_step: int = 8
     """Prompts drawn from the training data per RL step."""
 
@@ -186,6 +195,10 @@ class RolloutConfig(SamplingSettings):
             if self.num_gpus != self.num_engines * self.tensor_parallel_size:
                 raise ConfigError("num_gpus", f"{self.num_gpus} GPUs do not hold num_engines ({self.num_engines}) x "
                                   f"tensor_parallel_size ({self.tensor_parallel_size}) engine GPUs")  # fmt: skip
+        for key in ("return_routed_experts", "enable_return_routed_experts"):
+            if key in self.engine_args:
+                raise ConfigError(f"engine_args.{key}", "set rollout.routing_replay instead (the actor must replay "
+                                  "what the engines return)")  # fmt: skip
         if "tensor_parallel_size" in self.engine_args:
             raise ConfigError("engine_args.tensor_parallel_size", "set rollout.tensor_parallel_size instead "
                               "(placement gives each engine that many GPUs)")  # fmt: skip

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from megatron_rl.actor.batch import ActorBatch
+from megatron_rl.actor.batch import NO_ROUTE, ActorBatch
 from megatron_rl.algo import broadcast_to_tokens
 from megatron_rl.config.seeding import rollout_seed
 from megatron_rl.rollout.generation import Completion, SamplingParams
@@ -32,8 +32,9 @@ class Experience:
     """One RL step's samples as tensors (``N`` responses, ``L`` = longest prompt + response)."""
 
     batch: ActorBatch
-    """``input_ids``, ``attention_mask``, ``loss_mask`` and ``engine_logp`` (the log-probs
-    the engines reported for the response tokens, 0 elsewhere); the actor fills the rest."""
+    """``input_ids``, ``attention_mask``, ``loss_mask``, ``engine_logp`` (the log-probs
+    the engines reported for the response tokens, 0 elsewhere) and, when the engines
+    returned them (``rollout.routing_replay``), ``routed_experts``; the actor fills the rest."""
 
     group_index: torch.Tensor
     """``[N]`` int64 prompt index of each response (the GRPO group)."""
@@ -66,6 +67,7 @@ def build_experience(
     attention = torch.zeros(n, width, dtype=torch.long)
     loss_mask = torch.zeros(n, width, dtype=torch.long)
     engine_logp = torch.zeros(n, width, dtype=torch.float32)
+    routes = _routed_experts(prompt_ids, rows, width)
     for i, (g, c) in enumerate(rows):
         p = len(prompt_ids[g])
         end = p + len(c.token_ids)
@@ -75,11 +77,35 @@ def build_experience(
         loss_mask[i, p:end] = 1
         engine_logp[i, p:end] = torch.as_tensor(c.logprobs, dtype=torch.float32)
     return Experience(
-        batch=ActorBatch(input_ids=input_ids, attention_mask=attention, loss_mask=loss_mask, engine_logp=engine_logp),
+        batch=ActorBatch(input_ids=input_ids, attention_mask=attention, loss_mask=loss_mask, engine_logp=engine_logp,
+                         routed_experts=routes),  # fmt: skip
         group_index=torch.tensor([g for g, _ in rows], dtype=torch.long),
         response_lengths=torch.tensor([len(c.token_ids) for _, c in rows], dtype=torch.long),
         weight_versions=[c.weight_version for _, c in rows],
     )
+
+
+def _routed_experts(prompt_ids: Sequence[Sequence[int]], rows: list, width: int) -> torch.Tensor | None:
+    """``[N, L, M, k]`` the engines' routed experts laid out like ``input_ids`` (-1 on each
+    sequence's last token and on padding), or ``None`` when no completion carries them."""
+    have = [c.routed_experts is not None for _, c in rows]
+    if not any(have):
+        return None
+    if not all(have):
+        c = rows[have.index(False)][1]
+        raise ValueError(f"engine {c.engine!r} returned a completion without routed experts while others have them")
+    shape = rows[0][1].routed_experts.shape[1:]
+    routes = torch.full((len(rows), width, *shape), NO_ROUTE, dtype=torch.int16)
+    for i, (g, c) in enumerate(rows):
+        ran = len(prompt_ids[g]) + len(c.token_ids) - 1  # every token but the last went through the model
+        got = c.routed_experts
+        if tuple(got.shape) != (ran, *shape):
+            raise ValueError(
+                f"engine {c.engine!r}: routed experts of shape {tuple(got.shape)} for a {len(prompt_ids[g])}-token "
+                f"prompt and {len(c.token_ids)} generated tokens; want ({ran}, {', '.join(map(str, shape))})"
+            )
+        routes[i, :ran] = got
+    return routes
 
 
 @dataclass(kw_only=True)

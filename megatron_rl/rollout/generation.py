@@ -9,11 +9,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from megatron_rl.config.lib import require_range
 from megatron_rl.config.rollout import RolloutConfig, SamplingSettings
 from megatron_rl.config.seeding import derive_seed, prompt_seeds_for
+
+if TYPE_CHECKING:
+    import torch
 
 FinishReason = Literal["stop", "length"]
 
@@ -95,6 +98,12 @@ class Completion:
 
     engine: str = ""
     """Name of the engine that generated it (for logs and failure reports)."""
+
+    routed_experts: torch.Tensor | None = None
+    """With ``rollout.routing_replay`` on a mixture-of-experts model: ``[P + L - 1, M, k]``
+    int16, the ``k`` experts each of the model's ``M`` MoE layers routed each token the
+    engine ran to: the ``P`` prompt tokens, then the generated ones but the last (never
+    fed to the model); else ``None``."""
 
     def __len__(self) -> int:
         return len(self.token_ids)

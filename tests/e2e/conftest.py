@@ -72,8 +72,9 @@ class TinyRun:
 
 @pytest.fixture(scope="session")
 def tiny_run(tmp_path_factory):
-    """``tiny_run(*overrides)``: the tiny demo trained in this process with ``overrides``,
-    once per session and resolved config: modules that compare against the same run share it."""
+    """``tiny_run(*overrides, example=EXAMPLE)``: the tiny demo (or ``example``) trained in
+    this process with ``overrides``, once per session and resolved config: modules that
+    compare against the same run share it."""
     import json
 
     import ray
@@ -85,8 +86,8 @@ def tiny_run(tmp_path_factory):
 
     root, cache = tmp_path_factory.mktemp("tiny_runs"), {}
 
-    def run(*overrides: str) -> TinyRun:
-        config = tiny_config(root / f"run{len(cache)}", *overrides)
+    def run(*overrides: str, example: Path = EXAMPLE) -> TinyRun:
+        config = tiny_config(root / f"run{len(cache)}", *overrides, example=example)
         settings = to_dict(config)
         settings["trainer"].pop("output_dir")
         key = json.dumps(settings, sort_keys=True, default=str)

@@ -70,6 +70,13 @@ class FaultOnceVLLMEngine(FaultOnce, VLLMEngine):
     vLLM's engine-core process to notice its parent's death by itself."""
 
 
+class NoRoutesEngine(HFEngine):
+    """The built-in engine, declaring that it cannot return routed experts (as a user's
+    engine class without them does)."""
+
+    routed_experts = False
+
+
 class AlwaysCrashEngine(HFEngine):
     """Exits its process on every ``generate``: a request to it fails even after a restart."""
 

@@ -347,3 +347,46 @@ def test_the_preflight_takes_a_moe_model_and_conversion_its_checkpoint(hf_dirs, 
     with pytest.warns(ConversionWarning, match="no tokenizer files"):
         summary = hf_to_mcore(HfToMcoreOptions(hf_dir=hf, out_dir=tmp_path / "mcore", ep=2))
     assert summary.model_type == "qwen3_moe" and (tmp_path / "mcore" / "metadata.json").is_file()
+
+
+@pytest.mark.parametrize(
+    ("overrides", "field", "message"),
+    [
+        ((), "rollout.routing_replay", "has no experts to route"),  # the dense demo
+        (("model.tiny=null", "model.hf_config={moe}", "model.init=pretrained", "rollout.engine=vllm"),
+         "rollout.routing_replay", "vLLM's CPU build"),
+        (("model.tiny=null", "model.hf_config={moe}", "model.init=pretrained",
+          "model.transformer_config_overrides={{moe_router_fusion: true}}"),
+         "model.transformer_config_overrides.moe_router_fusion", "fused router"),
+        (("rollout.engine_args={{return_routed_experts: true}}",), "rollout.engine_args.return_routed_experts",
+         "set rollout.routing_replay instead"),
+    ],
+    ids=["dense", "vllm_cpu", "fused_router", "engine_args"],
+)  # fmt: skip
+def test_routing_replay_is_refused_where_it_cannot_run(hf_dirs, tmp_path, overrides, field, message):
+    import importlib.util
+
+    from megatron_rl.config.lib import ConfigError
+    from megatron_rl.loop.preflight import preflight
+    from tests.e2e.conftest import tiny_config
+
+    if "rollout.engine=vllm" in overrides and importlib.util.find_spec("vllm") is None:
+        pytest.skip("the vLLM CPU build is not installed")
+    overrides = [o.format(moe=hf_dirs["qwen3_moe"]) for o in overrides]
+    with pytest.raises(ConfigError) as info:
+        preflight(tiny_config(tmp_path, *overrides, "rollout.routing_replay=true"))
+    assert info.value.path == field and message in str(info.value), info.value
+
+
+def test_a_user_engine_without_routes_is_refused_for_routing_replay(hf_dirs, tmp_path):
+    from megatron_rl.config.lib import ConfigError
+    from megatron_rl.loop.preflight import preflight
+    from tests.e2e.conftest import tiny_config
+
+    config = tiny_config(tmp_path, "model.tiny=null", f"model.hf_config={hf_dirs['qwen3_moe']}", "model.init=pretrained",
+                         "rollout.engine=tests.helpers.rollout_engines:NoRoutesEngine", "rollout.routing_replay=true")  # fmt: skip
+    with pytest.raises(ConfigError, match="does not return routed experts") as info:
+        preflight(config)
+    assert info.value.path == "rollout.routing_replay"
+    preflight(tiny_config(tmp_path, "model.tiny=null", f"model.hf_config={hf_dirs['qwen3_moe']}",
+                          "model.init=pretrained", "rollout.routing_replay=true"))  # fmt: skip

@@ -182,3 +182,36 @@ def test_an_engine_from_a_config_alone_waits_for_its_first_update(tmp_path, tied
     for a, b in zip(got, want):
         for ca, cb in zip(a, b):
             assert ca.logprobs == pytest.approx(cb.logprobs, abs=1e-6)
+
+
+def test_a_moe_engine_returns_the_experts_its_routers_chose_for_every_token_it_ran(tmp_path):
+    """Left-padded prefill, decoding rows that stop at different steps: each completion's
+    ``routed_experts`` equals the routers' choices in a teacher-forced forward of its prompt
+    and its tokens but the last (batch-major flattening undone, padding stripped)."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.helpers.tiny_hf import save_model
+
+    path = save_model("qwen3_moe", tmp_path / "moe", seed=3)
+    engine = HFEngine(path, num_threads=1, return_routed_experts=True)
+    params = SamplingParams(n=3, temperature=1.0, max_new_tokens=8, seed=4, stop_token_ids=(5, 9, 11, 17))
+    prompts = [[1, 2, 3], [5] * 9, [7, 8]]
+    results = engine.generate(prompts, params)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    gates = [layer.mlp.gate for layer in model.model.layers]
+    lengths = set()
+    for prompt, group in zip(prompts, results):
+        for c in group:
+            seen = []
+            handles = [g.register_forward_hook(lambda m, a, out: seen.append(out[2])) for g in gates]
+            with torch.no_grad():
+                model(torch.tensor([prompt + c.token_ids[:-1]]))
+            for h in handles:
+                h.remove()
+            want = torch.stack(seen, dim=1).to(torch.int16)  # [P + L - 1, layers, k]
+            assert c.routed_experts.dtype == torch.int16
+            assert torch.equal(c.routed_experts.sort(-1).values, want.sort(-1).values)
+            lengths.add(len(c.token_ids))
+    assert len(lengths) > 1  # some rows stopped early
+    with pytest.raises(ValueError, match="return_routed_experts: the model has no mixture-of-experts"):
+        HFEngine(save_qwen2(tmp_path / "dense", seed=0), return_routed_experts=True)

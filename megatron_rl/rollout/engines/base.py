@@ -81,6 +81,10 @@ class RolloutEngine(WeightReceiver):
     tensor_parallel: bool = False
     """Whether the engine takes a ``tensor_parallel_size`` argument (``rollout.tensor_parallel_size``)."""
 
+    routed_experts: bool = False
+    """Whether the engine takes a ``return_routed_experts=True`` argument and then fills
+    each completion's ``routed_experts`` (``rollout.routing_replay``)."""
+
     @abc.abstractmethod
     def generate(
         self,

@@ -18,6 +18,12 @@ bookkeeping) that dominates with a tiny model on CPU. The loop here is:
    sample's tokens depend on its prompt seed and sample index, not on its batch
    neighbours (up to floating-point differences of batched matmuls).
 
+Routed experts (``return_routed_experts``, ``rollout.routing_replay``): forward hooks on
+the MoE routers record the experts each chose in every forward, the prefill's (left
+padding dropped) and each decode step's (the live rows' token of that step), so a
+completion carries the routes of its prompt and of every generated token but the last,
+which is never fed to the model.
+
 Sleep/wake: on a CUDA device ``sleep`` moves the weights to host memory and empties the
 CUDA cache (the KV cache lives only inside ``generate``); ``wake`` moves them back. On
 CPU there is no accelerator memory to release, so ``sleep``/``wake`` only switch the
@@ -70,6 +76,48 @@ def per_expert_views(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def moe_routers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The top-k routers of a transformers 5 mixture-of-experts model, in layer order:
+    modules with ``top_k``, ``num_experts`` and an ``[E, H]`` ``weight`` (Qwen3-MoE's
+    ``Qwen3MoeTopKRouter``), whose forward returns ``(logits, weights, indices)``."""
+    return [
+        m
+        for m in model.modules()
+        if hasattr(m, "top_k") and hasattr(m, "num_experts") and getattr(m, "weight", None) is not None
+        and m.weight.dim() == 2 and m.weight.shape[0] == m.num_experts
+    ]  # fmt: skip
+
+
+class _RouteRecorder:
+    """Collects the expert indices every router returns during one model forward."""
+
+    def __init__(self, routers: list[torch.nn.Module]):
+        self.routers = routers
+        self._calls: list[torch.Tensor] = []
+        self._handles: list = []
+
+    def __enter__(self) -> _RouteRecorder:
+        self._handles = [r.register_forward_hook(self._hook) for r in self.routers]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._calls.clear()
+
+    def _hook(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        self._calls.append(output[2])
+
+    def take(self) -> torch.Tensor:
+        """``[T, M, k]`` int16 on the CPU: the last forward's ``T`` tokens (batch-major, as
+        the routers flatten them) through its ``M`` routers."""
+        if len(self._calls) != len(self.routers):
+            raise RuntimeError(f"{len(self._calls)} router calls in one forward of {len(self.routers)} MoE layers")
+        routes = torch.stack(self._calls, dim=1).to("cpu", torch.int16)
+        self._calls.clear()
+        return routes
+
+
 @dataclass(kw_only=True)
 class HFEngineArgs:
     """Settings of :class:`HFEngine` (``rollout.engine_args`` when ``rollout.engine: hf``)."""
@@ -88,6 +136,11 @@ class HFEngineArgs:
 
     max_batch_rows: int = 256
     """Most sample rows (prompts x n) decoded together; larger requests run in chunks."""
+
+    return_routed_experts: bool = False
+    """Record the experts each MoE layer's router chose for every token the model ran, in
+    each completion's ``routed_experts`` (set by the pool for ``rollout.routing_replay``);
+    a model without MoE layers refuses it."""
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -150,6 +203,9 @@ class HFEngine(RolloutEngine):
             for name, meta in checkpoint_tensors(self.model_path, _DTYPES[self.args.dtype]).items()
             if name in self._targets
         }
+        self._routers = moe_routers(self.model) if self.args.return_routed_experts else []
+        if self.args.return_routed_experts and not self._routers:
+            raise ValueError("engine_args.return_routed_experts: the model has no mixture-of-experts layers")
         self._receiver = None
         self._sleeping = False
         self.stats = GenerateStats()
@@ -157,6 +213,7 @@ class HFEngine(RolloutEngine):
 
     # ------------------------------------------------------------------ state
 
+    routed_experts = True
     weight_backends = ("object_store", "gloo")
     weight_formats = ("auto", "fp8")  # fp8: dequantized on load (weight_sync.fp8)
 
@@ -249,11 +306,20 @@ class HFEngine(RolloutEngine):
         self.stats.add(results)
         return results
 
-    @torch.inference_mode()
     def _generate_chunk(
         self, prompts: list[list[int]], seeds: list[int], params: SamplingParams
     ) -> list[list[Completion]]:
-        """Generate for ``B`` prompts at once (``R = B * n`` sample rows)."""
+        """Generate for ``B`` prompts at once (``R = B * n`` sample rows), recording the
+        routers' choices when asked to."""
+        if not self._routers:
+            return self._sample_chunk(prompts, seeds, params, None)
+        with _RouteRecorder(self._routers) as recorder:
+            return self._sample_chunk(prompts, seeds, params, recorder)
+
+    @torch.inference_mode()
+    def _sample_chunk(
+        self, prompts: list[list[int]], seeds: list[int], params: SamplingParams, recorder: _RouteRecorder | None
+    ) -> list[list[Completion]]:
         from transformers import DynamicCache
 
         n, max_new = params.n, params.max_new_tokens
@@ -281,6 +347,11 @@ class HFEngine(RolloutEngine):
             use_cache=True,
             logits_to_keep=1,
         )
+        if recorder is not None:  # [B, longest, M, k], each prompt's tokens at the right
+            prompt_routes = recorder.take()
+            prompt_routes = prompt_routes.reshape(num_prompts, longest, *prompt_routes.shape[1:])
+            generated_routes = torch.full((num_rows, max_new, *prompt_routes.shape[2:]), -1, dtype=torch.int16)
+
         logits = out.logits[:, -1].float().repeat_interleave(n, dim=0)
         cache.batch_repeat_interleave(n)
         mask = mask.repeat_interleave(n, dim=0)
@@ -321,6 +392,8 @@ class HFEngine(RolloutEngine):
             )
             next_pos = next_pos + 1
             logits = out.logits[:, -1].float()
+            if recorder is not None:  # the routes of generated token `step`, fed just now
+                generated_routes[live.cpu(), step] = recorder.take()
 
         tokens_list = tokens_RT.cpu().tolist()
         logp_list = logp_RT.cpu().tolist()
@@ -331,6 +404,9 @@ class HFEngine(RolloutEngine):
             group = []
             for r in range(i * n, (i + 1) * n):
                 length = length_list[r]
+                routes = None
+                if recorder is not None:  # the prompt's tokens, then every generated one but the last
+                    routes = torch.cat([prompt_routes[i, longest - len(prompts[i]) :], generated_routes[r, : length - 1]])
                 group.append(
                     Completion(
                         token_ids=tokens_list[r][:length],
@@ -338,6 +414,7 @@ class HFEngine(RolloutEngine):
                         finish_reason="stop" if stopped_list[r] else "length",
                         weight_version=self._version,
                         engine=self.name,
+                        routed_experts=routes,
                     )
                 )
             results.append(group)

@@ -54,6 +54,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from megatron_rl.config.seeding import prompt_seeds_for
@@ -173,10 +174,11 @@ class VLLMEngine(RolloutEngine):
 
     weight_backends = ("object_store", "gloo", "nccl", "ipc")
     tensor_parallel = True  # vllm.LLM(tensor_parallel_size=...): rollout.tensor_parallel_size
+    routed_experts = True  # vllm.LLM(enable_return_routed_experts=True), GPUs only
 
     def __init__(
         self, model_path: str | Path, *, name: str = "vllm", sleep_level: int = 1, host_chunk_mb: int = 64,
-        **engine_args: Any,
+        return_routed_experts: bool = False, **engine_args: Any,
     ):  # fmt: skip
         try:
             import vllm
@@ -194,6 +196,14 @@ class VLLMEngine(RolloutEngine):
                 f"engine_args.logprobs_mode={engine_args['logprobs_mode']!r} is not supported: the rollout "
                 "contract needs 'processed_logprobs'"
             )
+        if return_routed_experts:
+            if current_platform.is_cpu():
+                # vLLM 0.32 captures routed experts in its V2 model runner only
+                # (VLLM_USE_V2_MODEL_RUNNER=1), which needs Triton: not on its CPU build.
+                raise ValueError("return_routed_experts: vLLM returns routed experts on GPUs only (its CPU build "
+                                 "lacks the Triton-based model runner that records them)")  # fmt: skip
+            engine_args = {**engine_args, "enable_return_routed_experts": True}
+        self._return_routes = return_routed_experts
         sleep_available = bool(current_platform.is_sleep_mode_available())
         if engine_args.get("enable_sleep_mode") and not sleep_available:
             raise ValueError(f"engine_args.enable_sleep_mode: vLLM has no sleep mode on {current_platform.device_name}")
@@ -430,6 +440,11 @@ class VLLMEngine(RolloutEngine):
             logprobs = [float(step[tok].logprob) for step, tok in zip(out.logprobs, token_ids)]
             if out.finish_reason not in ("stop", "length"):
                 raise RuntimeError(f"{self.name}: vLLM finished a sample with reason {out.finish_reason!r}")
+            routes = None
+            if self._return_routes:  # [prompt + generated - 1, layers, k] (never ran on a GPU here)
+                if getattr(out, "routed_experts", None) is None:
+                    raise RuntimeError(f"{self.name}: vLLM returned no routed experts (enable_return_routed_experts)")
+                routes = torch.from_numpy(np.asarray(out.routed_experts)).to(torch.int16)
             group.append(
                 Completion(
                     token_ids=token_ids,
@@ -437,6 +452,7 @@ class VLLMEngine(RolloutEngine):
                     finish_reason=out.finish_reason,
                     weight_version=self._version,
                     engine=self.name,
+                    routed_experts=routes,
                 )
             )
         return group

@@ -62,7 +62,8 @@ class LocalRolloutPool:
         self.weight_backend = "object_store"
         try:
             self.worker = EngineWorker(config.engine, self.model_path, dict(config.engine_args), self.engine_names[0],
-                                       torch_threads, "object_store", None, weight_format, 1)  # fmt: skip
+                                       torch_threads, "object_store", None, weight_format, 1,
+                                       config.routing_replay)  # fmt: skip
         except Exception as exc:
             raise RolloutEngineError(f"{self.engine_names[0]} failed to start: {exc}") from exc
         self._version = 0

@@ -94,7 +94,8 @@ class RolloutPool:
             ray.remote(EngineWorker)
             .options(max_restarts=config.pool.max_restarts, max_task_retries=0, **options)
             .remote(config.engine, self.model_path, dict(config.engine_args), name, placement.torch_threads,
-                    weight_backend, placement.devices_of(i), weight_format, config.tensor_parallel_size)  # fmt: skip
+                    weight_backend, placement.devices_of(i), weight_format, config.tensor_parallel_size,
+                    config.routing_replay)  # fmt: skip
             for i, (name, options) in enumerate(zip(self.engine_names, placement.ray_options))
         ]
         self.weight_backend = weight_backend

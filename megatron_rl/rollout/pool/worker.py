@@ -49,10 +49,12 @@ def engine_class(kind: str) -> type[RolloutEngine]:
 
 def build_engine(
     kind: str, model_path: str, *, name: str, engine_args: dict[str, Any], weight_backend: str = "object_store",
-    tensor_parallel_size: int = 1,
+    tensor_parallel_size: int = 1, routed_experts: bool = False,
 ) -> RolloutEngine:  # fmt: skip
     """Construct an engine of ``kind`` over ``model_path`` that receives weights through
-    ``weight_backend`` and spans ``tensor_parallel_size`` devices (``rollout.tensor_parallel_size``)."""
+    ``weight_backend``, spans ``tensor_parallel_size`` devices (``rollout.tensor_parallel_size``)
+    and, with ``routed_experts``, returns the experts it routed each token to
+    (``rollout.routing_replay``)."""
     cls = engine_class(kind)
     if weight_backend not in cls.weight_backends:
         raise ValueError(
@@ -64,6 +66,10 @@ def build_engine(
             raise ValueError(f"engine kind {kind!r} has no tensor parallelism (rollout.tensor_parallel_size "
                              f"{tensor_parallel_size})")  # fmt: skip
         extra["tensor_parallel_size"] = tensor_parallel_size
+    if routed_experts:
+        if not cls.routed_experts:
+            raise ValueError(f"engine kind {kind!r} cannot return routed experts (rollout.routing_replay)")
+        extra["return_routed_experts"] = True
     return cls(model_path, name=name, **engine_args, **extra)
 
 
@@ -75,7 +81,7 @@ class EngineWorker:
     def __init__(
         self, kind: str, model_path: str, engine_args: dict[str, Any], name: str, num_threads: int,
         weight_backend: str = "object_store", visible_devices: tuple[str, ...] | None = None,
-        weight_format: str = "auto", tensor_parallel_size: int = 1,
+        weight_format: str = "auto", tensor_parallel_size: int = 1, routed_experts: bool = False,
     ):  # fmt: skip
         if visible_devices is not None:
             # An engine over several GPUs holds the Ray bundle of its first GPU only (the
@@ -87,7 +93,7 @@ class EngineWorker:
         # thread count is this actor's CPU share, not the whole machine.
         torch.set_num_threads(max(1, num_threads))
         self.engine = build_engine(kind, model_path, name=name, engine_args=engine_args, weight_backend=weight_backend,
-                                   tensor_parallel_size=tensor_parallel_size)  # fmt: skip
+                                   tensor_parallel_size=tensor_parallel_size, routed_experts=routed_experts)  # fmt: skip
         self.engine.set_weight_format(weight_format)
         self.transitions: deque[tuple[float, str]] = deque(maxlen=256)
         """The last (wall time, event) pairs: generate, sleep, wake, sync (begin), commit."""
