@@ -320,12 +320,8 @@ def plan_packs(lengths: list[int], max_tokens: int) -> list[list[int]]:
     return packs
 
 
-def _none_or(t: torch.Tensor | None, f) -> torch.Tensor | None:
-    return None if t is None else f(t)
-
-
 def _cut_routes(t: torch.Tensor | None, s: int, device) -> torch.Tensor | None:
-    """``[b, L, M, k]`` routes trimmed or padded (``NO_ROUTE``) to ``s`` positions."""
+    """``[b, L, M, k]`` routes trimmed or padded (``NO_ROUTE``) to ``s`` positions (``None`` stays ``None``)."""
     if t is None:
         return None
     t = t[:, :s]
@@ -422,7 +418,9 @@ def filler_microbatch(like: MicroBatch, length: int) -> MicroBatch:
         ref_logp=zeros(like.ref_logp),
         advantages=zeros(like.advantages),
         engine_logp=zeros(like.engine_logp),
-        routed_experts=_cut_routes(_none_or(like.routed_experts, lambda t: t[:1, :0]), length, ids.device),
+        routed_experts=None if like.routed_experts is None else (
+            _cut_routes(like.routed_experts[:1, :0], length, ids.device)  # every position NO_ROUTE
+        ),
     )
 
 
@@ -445,6 +443,10 @@ def _pack(batch: ActorBatch, rows: list[int], lengths: list[int], device, multip
         return torch.nn.functional.pad(out, (0, tail), value=fill)[None].to(device)
 
     ids = sub.input_ids[:, :s].long()
+    # Routes are input-aligned (not shifted): the real positions end to end, then the tail.
+    routes = sub.routed_experts
+    if routes is not None:
+        routes = _cut_routes(routes[:, :s][real][None], total + tail, device)
     bounds = [0] + [lengths[i] for i in rows] + ([tail] if tail else [])
     cu_seqlens = torch.tensor(bounds, dtype=torch.int64).cumsum(0).to(torch.int32)
     return MicroBatch(
@@ -457,7 +459,7 @@ def _pack(batch: ActorBatch, rows: list[int], lengths: list[int], device, multip
         ref_logp=flat(sub.ref_logp),
         advantages=flat(sub.advantages),
         engine_logp=flat(sub.engine_logp),
-        routed_experts=_cut_routes(_none_or(sub.routed_experts, lambda t: t[:, :s][real][None]), total + tail, device),
+        routed_experts=routes,
         cu_seqlens=cu_seqlens,
         max_seqlen=max(bounds[1:]),
         num_real_tokens=total,

@@ -179,10 +179,11 @@ class PolicyModel:
         """This data-parallel rank's rows of ``batch``; its engine routes checked on the
         whole batch (every rank refuses alike, before any collective) and dropped without
         routing replay."""
-        if self.routing_replay is None or batch.routed_experts is None:
-            batch = replace(batch, routed_experts=None)
-        else:
-            self.routing_replay.check(batch.routed_experts)
+        if batch.routed_experts is not None:
+            if self.routing_replay is None:
+                batch = replace(batch, routed_experts=None)
+            else:
+                self.routing_replay.check(batch.routed_experts)
         return batch.select(self._local_rows(batch.num_sequences))
 
     def _microbatches(self, batch: ActorBatch) -> list[MicroBatch]:

@@ -44,6 +44,7 @@ import torch.distributed as dist
 
 from megatron_rl.actor.collectives import device
 from megatron_rl.actor.launch import ProcessGroups
+from megatron_rl.models.moe import megatron_routers
 
 __all__ = ["RouterLossMeter"]
 
@@ -64,11 +65,9 @@ class RouterLossMeter:
     """
 
     def __init__(self, chunks: list[torch.nn.Module], config: Any, groups: ProcessGroups):
-        from megatron.core.transformer.moe.router import TopKRouter
-
         self.config = config
         self.groups = groups
-        self.routers = [m for chunk in chunks for m in chunk.modules() if isinstance(m, TopKRouter)]
+        self.routers = megatron_routers(chunks)
         """This rank's routers (one per MoE layer of its pipeline stage)."""
         self._forward: str | None = None
         """Inside a training forward step: ``"real"`` or ``"filler"``; else ``None``."""

@@ -49,6 +49,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.actor.batch import NO_ROUTE
+from megatron_rl.models.moe import megatron_routers
 
 __all__ = ["RoutingReplay", "replay_router_class"]
 
@@ -83,26 +84,25 @@ def replay_router_class() -> type:
             router's own top-k; ``probs`` are ``scores`` at those experts."""
             probs, own = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
             target = self.target
-            if target is None and torch.is_grad_enabled() and self.queued:
+            if target is None:
+                if not (torch.is_grad_enabled() and self.queued):
+                    return probs, own
                 target = self.queued.pop(0)  # an activation recompute in the backward pass
-            elif target is not None:
+            else:
+                target = target.to(own.device)
+                if target.shape != own.shape:
+                    raise ValueError(
+                        f"routed_experts: layer {self.layer_number} got {tuple(target.shape)} choices for "
+                        f"{tuple(own.shape)} routed tokens x top-k"
+                    )
                 if self.training and not torch.is_grad_enabled():  # a checkpointed layer's first pass
                     self.queued.append(target)
                 self._count(target, own)
-            if target is None:
-                return probs, own
-            target = target.to(own.device)
-            if target.shape != own.shape:
-                raise ValueError(
-                    f"routed_experts: layer {self.layer_number} got {tuple(target.shape)} choices for "
-                    f"{tuple(own.shape)} routed tokens x top-k"
-                )
             given = target[:, :1] >= 0
             indices = torch.where(given, target, own)
             return scores.gather(1, indices), indices
 
         def _count(self, target: torch.Tensor, own: torch.Tensor) -> None:
-            target = target.to(own.device)
             given = target[:, 0] >= 0
             same = (target[:, :, None] == own[:, None, :]).any(-1) & given[:, None]
             self.agreed = self.agreed.to(own.device) + same.sum()
@@ -120,8 +120,6 @@ class RoutingReplay:
     """
 
     def __init__(self, chunks: list[torch.nn.Module], config: Any, *, tp_rank: int, tp_size: int):
-        from megatron.core.transformer.moe.router import TopKRouter
-
         if getattr(config, "moe_router_fusion", False):
             # Transformer Engine's fused top-k routing does not consult a replay.
             raise ValueError("routing replay needs moe_router_fusion=False (the fused router cannot replay)")
@@ -130,7 +128,7 @@ class RoutingReplay:
         self.num_experts = int(config.num_moe_experts)
         self.sequence_parallel = bool(config.sequence_parallel) and tp_size > 1
         self.tp_rank, self.tp_size = tp_rank, tp_size
-        self.routers = [m for chunk in chunks for m in chunk.modules() if isinstance(m, TopKRouter)]
+        self.routers = megatron_routers(chunks)
         """This rank's routers (one per MoE layer of its pipeline stage)."""
         cls = replay_router_class()
         for router in self.routers:

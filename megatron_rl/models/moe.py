@@ -53,7 +53,7 @@ from megatron_rl.models.common import (
 )
 from megatron_rl.models.weight_units import LAYER_PREFIX, ConversionError, WeightUnit, canonical_mcore_name
 
-__all__ = ["MoEDims", "MoEDecoderAdapter", "sparse_layers", "torch_gating_router"]
+__all__ = ["MoEDims", "MoEDecoderAdapter", "megatron_routers", "sparse_layers", "torch_gating_router"]
 
 # HF Qwen3MoeConfig defaults (transformers 5.19), for config.json files that omit a field.
 _DEFAULT_NORM_TOPK_PROB = False
@@ -65,6 +65,14 @@ _TE_GROUPED_EXPERT = re.compile(r"mlp\.experts\.(linear_fc[12])\.weight(\d+)")
 
 # TransformerConfig.moe_router_dtype -> the dtype of the router logits (None: the input's).
 _ROUTER_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
+
+
+def megatron_routers(chunks: list[torch.nn.Module]) -> list[torch.nn.Module]:
+    """The megatron-core ``TopKRouter`` modules of ``chunks``, in module order (one per MoE
+    layer of this rank's pipeline stage)."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    return [m for chunk in chunks for m in chunk.modules() if isinstance(m, TopKRouter)]
 
 
 @functools.cache
