@@ -187,3 +187,12 @@ def test_the_mcore_marker_finds_the_tests_that_run_megatron():
         assert exercises_megatron(tests / name), name
     for name in ("unit/test_policy_loss.py", "unit/test_config.py", "distributed/test_loss_invariance.py"):
         assert not exercises_megatron(tests / name), name
+
+
+def test_the_benchmark_reference_stays_a_reference():
+    """docs/benchmarks.md: one current table per benchmark, history in benchmarks/results/."""
+    doc = PACKAGE_DIR.parent / "docs" / "benchmarks.md"
+    lines = doc.read_text(encoding="utf-8").splitlines()
+    assert len(lines) <= 400, f"{doc.name} has {len(lines)} lines: move earlier runs to benchmarks/results/<script>/"
+    sections = [line for line in lines if line.startswith("## ")]
+    assert len(sections) == len(set(sections)), f"a benchmark has two sections in {doc.name}"
