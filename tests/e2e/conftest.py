@@ -4,6 +4,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "tiny_cpu.yaml"
@@ -120,13 +121,14 @@ def ray_session():
     shared_ray("e2e")
 
 
-def train_cli(out_dir, *extra, log: Path | None = None):
-    """``megatron-rl train`` of the tiny demo in a new process group (so a kill reaches every
-    process); its output to ``log`` when given (a pipe nobody reads can fill and stall it)."""
+def train_cli(out_dir, *extra, log: Path | None = None, example: Path = EXAMPLE):
+    """``megatron-rl train`` of the tiny demo (or ``example``) in a new process group (so a
+    kill reaches every process); its output to ``log`` when given (a pipe nobody reads can
+    fill and stall it)."""
     import subprocess
     import sys
 
-    cmd = [sys.executable, "-m", "megatron_rl", "train", str(EXAMPLE), *tiny_overrides(out_dir, *extra)]
+    cmd = [sys.executable, "-m", "megatron_rl", "train", str(example), *tiny_overrides(out_dir, *extra)]
     out = subprocess.PIPE if log is None else open(log, "w")  # noqa: SIM115  (closed with the process)
     return subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)  # fmt: skip
@@ -143,8 +145,8 @@ class KilledAndResumed:
     latest_after_kill: str
 
 
-def kill9_and_resume(tmp_path, *args: str, checkpointed: int, logged: int) -> KilledAndResumed:
-    """Run the demo with ``args`` uninterrupted (``tmp_path/a``) and, at the same time, again
+def kill9_and_resume(tmp_path, *args: str, checkpointed: int, logged: int, example: Path = EXAMPLE) -> KilledAndResumed:
+    """Run the demo (or ``example``) with ``args`` uninterrupted (``tmp_path/a``) and, at the same time, again
     (``tmp_path/b``); SIGKILL the second's process group once checkpoint
     ``step_<checkpointed>`` exists and step ``logged`` is in ``metrics.jsonl``, then rerun it
     there to the end (it resumes). The two first runs are separate processes with the same
@@ -155,10 +157,11 @@ def kill9_and_resume(tmp_path, *args: str, checkpointed: int, logged: int) -> Ki
     from tests.helpers.jobs import kill_group
 
     tmp_path.mkdir(parents=True, exist_ok=True)
-    ref = train_cli(tmp_path / "a", *args, log=tmp_path / "a.log")
-    victim = train_cli(tmp_path / "b", *args, log=tmp_path / "b.log")
+    ref = train_cli(tmp_path / "a", *args, log=tmp_path / "a.log", example=example)
+    victim = train_cli(tmp_path / "b", *args, log=tmp_path / "b.log", example=example)
+    run_name = yaml.safe_load(example.read_text())["logging"]["run_name"]
     try:
-        run_dir = tmp_path / "b" / "tiny_cpu"
+        run_dir = tmp_path / "b" / run_name
         deadline = time.time() + 600
         while time.time() < deadline:
             if (run_dir / "checkpoints" / f"step_{checkpointed:06d}").is_dir() and (run_dir / "metrics.jsonl").exists():
@@ -176,11 +179,11 @@ def kill9_and_resume(tmp_path, *args: str, checkpointed: int, logged: int) -> Ki
         if ref.poll() is None:
             kill_group(ref)
 
-    resumed = train_cli(tmp_path / "b", *args)
+    resumed = train_cli(tmp_path / "b", *args, example=example)
     out, _ = resumed.communicate(timeout=600)
     assert resumed.returncode == 0, out
     return KilledAndResumed(
-        uninterrupted={r["step"]: r for r in read_metrics(tmp_path / "a" / "tiny_cpu")},
+        uninterrupted={r["step"]: r for r in read_metrics(tmp_path / "a" / run_name)},
         resumed={r["step"]: r for r in read_metrics(run_dir)},
         run_dir=run_dir,
         latest_after_kill=latest,

@@ -14,7 +14,7 @@ from megatron_rl.config.run import load_run_config
 from megatron_rl.data.loaders import DataError
 from megatron_rl.loop.trainer import NonFiniteStepsError, Trainer
 from megatron_rl.observability import read_metrics
-from tests.e2e.conftest import EXAMPLE, ROOT, kill9_and_resume, tiny_config, tiny_overrides
+from tests.e2e.conftest import EXAMPLE, MOE_EXAMPLE, ROOT, kill9_and_resume, tiny_config, tiny_overrides
 
 METHOD_KEYS = {
     "grpo": ["loss/ref_kl"],
@@ -126,17 +126,24 @@ COMPARED = ("rollout/reward/mean", "loss/total", "actor/grad_norm", "loss/approx
 
 
 def test_kill9_then_resume_matches_an_uninterrupted_run(tmp_path):
-    args = ("trainer.num_steps=8", "trainer.save_every_steps=2", "trainer.eval_every_steps=4")
-    runs = kill9_and_resume(tmp_path, *args, checkpointed=4, logged=5)  # mid-way to step 6's save
+    """examples/tiny_cpu_moe.yaml with its experts over two ranks (expert-parallel optimizer
+    state and checkpoint shards, the router's load-balancing loss), killed between two
+    checkpoints: the rerun resumes from the last, logs each step once and matches an
+    uninterrupted run. (The dense demo's kill -9 resumes: tests/e2e/test_async_rollout.py
+    with a batch generated ahead, tests/vllm/test_vllm_trainer.py with vLLM.)"""
+    args = ("trainer.num_steps=8", "trainer.save_every_steps=2", "trainer.eval_every_steps=4",
+            "parallel.num_actor_ranks=2", "parallel.expert_model_parallel_size=2")  # fmt: skip
+    runs = kill9_and_resume(tmp_path, *args, checkpointed=4, logged=5, example=MOE_EXAMPLE)  # mid-way to step 6's save
     assert runs.latest_after_kill in ("step_000004", "step_000006")
     a, b, run_dir = runs.uninterrupted, runs.resumed, runs.run_dir
     assert sorted(b) == list(range(1, 9)), "each step is logged once (lines after the checkpoint dropped)"
     for step in range(1, 9):
-        for key in COMPARED:
+        for key in (*COMPARED, "moe/load_balancing_loss", "loss/moe_aux"):
             assert b[step][key] == pytest.approx(a[step][key], rel=1e-6, abs=1e-7), (step, key)
     assert b[8]["eval/accuracy/mean"] == a[8]["eval/accuracy/mean"]
     cfg_saved = yaml.safe_load((run_dir / "config.yaml").read_text())
     assert cfg_saved["trainer"]["num_steps"] == 8
+    assert cfg_saved["parallel"]["expert_model_parallel_size"] == 2
     json.dumps(b[8])  # metrics are plain JSON
 
 
