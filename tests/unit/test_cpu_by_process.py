@@ -1,0 +1,35 @@
+"""tools/cpu_by_process.py counts a child's CPU seconds under its kind."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tools"))
+from cpu_by_process import kind_of  # noqa: E402
+
+
+def test_kinds_are_read_from_the_command_line():
+    assert kind_of("ray::ActorWorker.update_policy") == "ray actor: ActorWorker"
+    assert kind_of("ray::IDLE") == "ray idle worker"
+    assert (
+        kind_of("/venv/bin/python -u tests/helpers/actor_moe_worker.py spec.json out")
+        == "torchrun rank: actor_moe_worker"
+    )
+    assert kind_of("/venv/bin/python -m megatron_rl train examples/tiny_cpu.yaml") == "cli run: train"
+    assert kind_of("/usr/bin/sleep 3") == "other: sleep"
+
+
+def test_a_busy_child_is_counted(tmp_path):
+    out = tmp_path / "cpu.json"
+    busy = "import time\nt = time.process_time()\nwhile time.process_time() - t < 1.5: pass"
+    cmd = [sys.executable, str(ROOT / "tools" / "cpu_by_process.py"), "--interval-s", "0.2", "--out", str(out),
+           "--", sys.executable, "-c", busy]  # fmt: skip
+    assert subprocess.run(cmd, capture_output=True, timeout=60).returncode == 0
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    total = lines[-1]
+    assert total["kind"] == "total" and total["exit_status"] == 0
+    child = [r for r in lines[:-1] if r["kind"] == f"other: {Path(sys.executable).name}"]
+    assert child and 1.2 <= child[0]["cpu_s"] <= 2.5, lines
+    assert total["machine_cpu_s"] >= 1.2

@@ -1,0 +1,118 @@
+"""CPU seconds of a machine's processes by kind, while a command runs (what CI spends its cores on).
+
+    python tools/cpu_by_process.py --out cpu.json -- bash .ci/run
+
+Every ``--interval-s`` it reads each process's user + system time (``/proc/PID/stat``, the
+process's own, not its children's: each process is counted once) and its command line, which
+names its kind (``KINDS``: a Ray actor by its class, a torchrun rank by its script, a CLI run,
+Ray's own daemons, ...). A process's last reading counts when it exits, so one that lives less
+than an interval is missed: the machine's whole CPU time over the same span (``/proc/stat``)
+is printed beside the sum, and the difference as ``unsampled``. Prints one JSON line per kind,
+largest first, and the total; ``--out`` keeps them. The command's exit status is returned.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+KINDS = [
+    ("ray idle worker", re.compile(r"^ray::IDLE")),
+    ("ray actor", re.compile(r"^ray::(\w+)")),
+    ("ray daemons", re.compile(r"raylet|gcs_server|dashboard|log_monitor|runtime_env|ray/_private|monitor\.py")),
+    ("torchrun rank", re.compile(r"tests/helpers/(\w+)\.py")),
+    ("torchrun launcher", re.compile(r"torch\.distributed\.run|torchrun")),
+    ("cli run", re.compile(r"-m megatron_rl (\w+)|megatron-rl (\w+)")),
+    ("vllm engine core", re.compile(r"VLLM|EngineCore|vllm")),
+    ("multiprocessing child", re.compile(r"multiprocessing")),
+    ("slurm", re.compile(r"slurm|munge")),
+    ("benchmark", re.compile(r"benchmarks/(\w+)\.py")),
+    ("pytest", re.compile(r"pytest")),
+    ("pip", re.compile(r"\bpip\b")),
+]
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def kind_of(cmdline: str) -> str:
+    for name, pattern in KINDS:
+        match = pattern.search(cmdline)
+        if match:
+            detail = next((g for g in match.groups() if g), None) if match.groups() else None
+            return f"{name}: {detail}" if detail else name
+    return "other: " + (os.path.basename(cmdline.split(" ", 1)[0]) or "?")
+
+
+def machine_cpu_s() -> float:
+    with open("/proc/stat") as f:
+        fields = f.readline().split()[1:]
+    busy = sum(int(x) for x in fields[:8]) - int(fields[3]) - int(fields[4])  # all but idle, iowait
+    return busy / TICK
+
+
+def sample(seen: dict[int, tuple[str, float]]) -> None:
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        pid = int(entry)
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                stat = f.read()
+            fields = stat[stat.rindex(")") + 2 :].split()
+            cpu_s = (int(fields[11]) + int(fields[12])) / TICK  # utime, stime
+            # Read each time: Ray renames its workers (ray::IDLE, then ray::<ActorClass>.<method>).
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+            if cmdline:
+                kind = kind_of(cmdline)
+            else:  # an exiting process has none: keep what it was
+                kind = seen[pid][0] if pid in seen else kind_of(stat[stat.index("(") + 1 : stat.rindex(")")])
+            seen[pid] = (kind, cpu_s)
+        except (FileNotFoundError, ProcessLookupError, ValueError, IndexError):
+            continue
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--interval-s", type=float, default=1.0)
+    parser.add_argument("--out", default=None)
+    parser.add_argument("command", nargs=argparse.REMAINDER)
+    args = parser.parse_args(argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        parser.error("give the command after --")
+    seen: dict[int, tuple[str, float]] = {}
+    sample(seen)
+    before = dict(seen)  # what ran before the command: its CPU time so far is not the command's
+    start_cpu, start = machine_cpu_s(), time.monotonic()
+    proc = subprocess.Popen(command)
+    while proc.poll() is None:
+        time.sleep(args.interval_s)
+        sample(seen)
+    totals: dict[str, list[float]] = {}
+    for pid, (kind, cpu_s) in seen.items():
+        spent = cpu_s - (before[pid][1] if pid in before else 0.0)
+        entry = totals.setdefault(kind, [0.0, 0])
+        entry[0] += spent
+        entry[1] += pid not in before
+    lines = [{"kind": k, "cpu_s": round(v[0], 1), "processes": v[1]} for k, v in totals.items() if v[0] >= 0.5]
+    lines.sort(key=lambda r: -r["cpu_s"])
+    machine = machine_cpu_s() - start_cpu
+    sampled = sum(v[0] for v in totals.values())
+    lines.append({"kind": "total", "wall_s": round(time.monotonic() - start, 1), "machine_cpu_s": round(machine, 1),
+                  "sampled_cpu_s": round(sampled, 1), "unsampled_cpu_s": round(machine - sampled, 1),
+                  "exit_status": proc.returncode})  # fmt: skip
+    text = "\n".join(json.dumps(r) for r in lines)
+    print(text, flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+    return proc.returncode
+
+
+if __name__ == "__main__":
+    sys.exit(main())
