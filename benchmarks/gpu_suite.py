@@ -27,6 +27,10 @@ Cases (``--cases``, default all):
              model: generated tokens/s.
 ``logprob``  log-prob agreement: the actor (fp32 and bf16) vs a float64 CPU ``transformers``
              forward of the same weights: max and mean ``|delta logp|`` (and entropy).
+``moe``      one Qwen3-30B-A3B layer's expert GEMMs (128 experts, top-8, forward + backward)
+             one expert at a time (megatron's ``SequentialMLP``) vs torch's grouped GEMM,
+             outputs and gradients compared; the Megatron actor's train step on a two-layer
+             Qwen3-MoE of that shape (local spec, EP = 1): tokens/s, TFLOP/s, memory.
 
 Calibration (always, first): a large device-to-device ``copy_`` (bandwidth, counting bytes
 read and written) and a large bf16 matmul (the measured GEMM peak).
@@ -46,7 +50,7 @@ a 151,936-wide bf16 row does not fit in shared memory) reads the logits twice:
 docs/gpu.md has the device command (wheels carried in ``.gpu_wheels``, built by
 ``tools/gpu_wheelhouse.sh``). This file is the entry point (sizes, calibration, the table,
 the command line); the machinery (output, timing, budget, shared state) is in
-``gpu_suite_harness.py`` and the cases in ``gpu_suite_cases.py``.
+``gpu_suite_harness.py`` and the cases in ``gpu_suite_cases.py`` and ``gpu_suite_moe.py``.
 """
 
 from __future__ import annotations
@@ -70,8 +74,9 @@ for _p in (str(REPO), str(HERE)):  # the source tree and the sibling benchmarks 
 
 from gpu_suite_cases import case_actor, case_engine, case_linear, case_logprob, case_loss  # noqa: E402
 from gpu_suite_harness import Suite, _dtype, _median  # noqa: E402
+from gpu_suite_moe import case_moe  # noqa: E402
 
-CASES = ("loss", "linear", "actor", "engine", "logprob")
+CASES = ("loss", "linear", "actor", "engine", "logprob", "moe")
 
 
 # ----------------------------------------------------------------------------- sizes
@@ -85,6 +90,19 @@ def qwen2(**kw) -> dict:
         "rope_theta": 1_000_000.0,
         "rms_norm_eps": 1e-6,
         "tie_word_embeddings": True,
+    }
+    return {**base, **kw}
+
+
+def qwen3_moe(**kw) -> dict:
+    base = {
+        "model_type": "qwen3_moe",
+        "hidden_act": "silu",
+        "rope_theta": 1_000_000.0,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": False,
+        "norm_topk_prob": True,
+        "intermediate_size": kw["moe_intermediate_size"],
     }
     return {**base, **kw}
 
@@ -116,6 +134,10 @@ class Sizes:
     warmup: int = 2
     fp32_logp_tol: float = 1e-3
     bf16_logp_tol: float = 1.0
+    moe: dict = field(default_factory=dict)
+    """The ``moe`` case (gpu_suite_moe.py): ``gemm`` (tokens, topk, experts, hidden, width,
+    dtype of one layer's expert GEMMs) and the actor's ``model`` (a Qwen3-MoE HF config),
+    ``sequences``, ``seq_len``, ``microbatch_tokens``, ``steps``, ``dtype``."""
     reserve_s: dict = field(default_factory=dict)
 
 
@@ -142,7 +164,28 @@ def gpu_sizes() -> Sizes:
         copy_bytes=2 << 30,
         gemm_n=8192,
         gemm_dtype="bfloat16",
-        reserve_s={"loss": 30, "linear": 30, "actor": 60, "engine": 30, "logprob": 60},
+        reserve_s={"loss": 30, "linear": 30, "actor": 60, "engine": 30, "logprob": 60, "moe": 60},
+        # One layer of Qwen3-30B-A3B (128 experts of width 768, top-8); the actor: two such layers.
+        moe={
+            "gemm": {"tokens": 16384, "topk": 8, "experts": 128, "hidden": 2048, "width": 768, "dtype": "bfloat16"},
+            "model": qwen3_moe(
+                hidden_size=2048,
+                num_hidden_layers=2,
+                num_attention_heads=32,
+                num_key_value_heads=4,
+                head_dim=128,
+                num_experts=128,
+                num_experts_per_tok=8,
+                moe_intermediate_size=768,
+                vocab_size=151_936,
+                max_position_embeddings=4096,
+            ),
+            "sequences": 8,
+            "seq_len": 2048,
+            "microbatch_tokens": 4096,
+            "steps": 3,
+            "dtype": "bfloat16",
+        },  # fmt: skip
     )
 
 
@@ -178,6 +221,27 @@ def tiny_sizes() -> Sizes:
         repeats=2,
         warmup=1,
         reserve_s={c: 5 for c in CASES},
+        # bf16 GEMMs: torch's CPU grouped_mm takes bf16 (not float32) operands
+        moe={
+            "gemm": {"tokens": 64, "topk": 2, "experts": 4, "hidden": 32, "width": 16, "dtype": "bfloat16"},
+            "model": qwen3_moe(
+                hidden_size=64,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                head_dim=16,
+                num_experts=4,
+                num_experts_per_tok=2,
+                moe_intermediate_size=32,
+                vocab_size=1000,
+                max_position_embeddings=256,
+            ),
+            "sequences": 4,
+            "seq_len": 32,
+            "microbatch_tokens": 64,
+            "steps": 2,
+            "dtype": "float32",
+        },  # fmt: skip
     )
 
 
@@ -242,6 +306,7 @@ CASE_FNS = {
     "actor": case_actor,
     "engine": case_engine,
     "logprob": case_logprob,
+    "moe": case_moe,
 }
 CASE_TITLES = {
     "calibration": "Calibration (measured on this device)",
@@ -250,6 +315,7 @@ CASE_TITLES = {
     "actor": "3. Megatron actor train step",
     "engine": "4. Built-in HF engine generation",
     "logprob": "5. Log-prob agreement: actor vs float64 CPU reference",
+    "moe": "6. Mixture of experts: expert GEMMs one by one vs grouped; the MoE actor's train step",
 }
 
 
@@ -348,7 +414,7 @@ def parse_cases(values: list[str] | None) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=None, help="write gpu_suite.jsonl and gpu_suite.md here")
-    parser.add_argument("--cases", nargs="+", default=None, help=f"subset of {', '.join(CASES)} (or 1-5)")
+    parser.add_argument("--cases", nargs="+", default=None, help=f"subset of {', '.join(CASES)} (or 1-{len(CASES)})")
     parser.add_argument("--tiny", action="store_true", help="toy sizes (on CPU unless --device says otherwise)")
     parser.add_argument("--device", default=None, help="cuda | cpu (default: cuda when available; cpu with --tiny)")
     parser.add_argument(

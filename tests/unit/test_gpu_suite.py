@@ -105,6 +105,12 @@ def test_every_case_reports_finite_numbers(tiny_run):
     engine = by_case["engine"][0]
     assert engine["generated_tokens"] == engine["prompts"] * engine["samples"] * engine["max_new_tokens"]
     assert engine["tokens_per_s"] > 0
+    gemms = next(r for r in by_case["moe"] if r["variant"] == "expert gemms")
+    assert gemms["status"] == "ok", gemms  # torch's grouped_mm takes bf16 on a CPU too
+    assert all(v <= 1e-2 for v in gemms["max_rel_diff"].values()), gemms["max_rel_diff"]
+    moe_actor = next(r for r in by_case["moe"] if r["variant"] == "actor step")
+    assert moe_actor["tokens_per_s"] > 0 and 0 < moe_actor["active_params"] < moe_actor["params"]
+    assert moe_actor["load_balancing_loss"] > 0
     summary = by_case["summary"][0]
     assert summary["failed_cases"] == [] and not {"ray", "vllm"} & set(summary["imported_heavy_modules"])
     print(f"tiny suite: {seconds:.1f} s")
