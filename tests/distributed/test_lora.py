@@ -1,0 +1,192 @@
+"""LoRA adapters on megatron's tensor-parallel linears (megatron_rl/models/lora.py).
+
+An MLP-shaped pair, column-parallel ``[in -> mid]`` then row-parallel ``[mid -> out]``, each
+with an adapter, on 1 and 2 gloo ranks, with and without sequence parallelism: outputs and
+the gradients of the input and of every adapter parameter, gathered whole, equal a float64
+reference ``W x + (alpha / r) B A x`` (and so each other); the base weights get no gradient;
+with B = 0 (the initialisation) the pair equals the base layers exactly; the adapter's A is
+the same in every layout.
+"""
+
+import pytest
+import torch
+
+from tests.dist_utils import run_on_ranks
+
+IN, MID, OUT, RANK, ALPHA, SEQ, BATCH = 16, 24, 8, 4, 8.0, 6, 2
+
+
+def _full_tensors() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(5)
+    return {
+        "w1": torch.randn(MID, IN, generator=g, dtype=torch.float64) / 4,
+        "w2": torch.randn(OUT, MID, generator=g, dtype=torch.float64) / 4,
+        "b1": torch.randn(MID, RANK, generator=g, dtype=torch.float64),  # B of the column-parallel layer
+        "b2": torch.randn(OUT, RANK, generator=g, dtype=torch.float64),  # B of the row-parallel layer
+        "x": torch.randn(SEQ, BATCH, IN, generator=g, dtype=torch.float64),
+        "dy": torch.randn(SEQ, BATCH, OUT, generator=g, dtype=torch.float64),
+    }
+
+
+CASES = [(1, False, False), (2, False, False), (2, True, False), (2, False, True)]
+"""(TP, sequence parallel, B zero), run one after the other by the same two ranks."""
+
+
+def _cases(rank, world, results):
+    from megatron.core import parallel_state, tensor_parallel
+
+    from megatron_rl.actor.compat import cpu_shim
+
+    cpu_shim.apply()
+    for case in CASES:
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=case[0])
+        with cpu_shim.cuda_to_cpu():
+            tensor_parallel.model_parallel_cuda_manual_seed(1)
+        try:
+            out = _pass(*case)
+        finally:
+            parallel_state.destroy_model_parallel()
+        if rank == 0:
+            results.append((case, out))
+
+
+def _pass(world, sequence_parallel, zero_b):
+    """One layout on this rank (TP group of size ``world``); tensors gathered whole."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.model_parallel_config import ModelParallelConfig
+
+    from megatron_rl.models.lora import LoRAColumnParallelLinear, LoRARowParallelLinear, LoRASettings
+
+    group = parallel_state.get_tensor_model_parallel_group()
+    rank = parallel_state.get_tensor_model_parallel_rank()
+    config = ModelParallelConfig(tensor_model_parallel_size=world, sequence_parallel=sequence_parallel,
+                                 use_cpu_initialization=True, params_dtype=torch.float32)  # fmt: skip
+    lora = LoRASettings(rank=RANK, alpha=ALPHA, seed=3)
+    init = torch.nn.init.zeros_
+    col = LoRAColumnParallelLinear(IN, MID, config=config, init_method=init, bias=False, gather_output=False,
+                                   lora=lora, lora_name="linear_fc1")  # fmt: skip
+    row = LoRARowParallelLinear(MID, OUT, config=config, init_method=init, bias=False, input_is_parallel=True,
+                                skip_bias_add=True, lora=lora, lora_name="linear_fc2")  # fmt: skip
+    col.reset_adapter(layer_number=1)
+    row.reset_adapter(layer_number=1)
+    full = _full_tensors()
+    shard = slice(rank * MID // world, (rank + 1) * MID // world)  # of the MID axis
+    with torch.no_grad():
+        col.weight.copy_(full["w1"][shard])
+        row.weight.copy_(full["w2"][:, shard])
+        if not zero_b:
+            col.lora_b.copy_(full["b1"][shard])
+            row.lora_b.copy_(full["b2"])
+    x_full = full["x"].float()
+    seq = slice(rank * SEQ // world, (rank + 1) * SEQ // world) if sequence_parallel else slice(None)
+    x = x_full[seq].clone().requires_grad_()
+    hidden, _ = col(x)
+    y, _ = row(hidden)
+    y.backward(full["dy"].float()[seq])
+    # Megatron's finalize step sums the sequence-parallel parameters' gradients over TP.
+    for p in (col.lora_a, row.lora_b):
+        if getattr(p, "sequence_parallel", False) and world > 1:
+            dist.all_reduce(p.grad, group=group)
+
+    def gather(t, dim):
+        parts = [torch.empty_like(t) for _ in range(world)]
+        dist.all_gather(parts, t.contiguous(), group=group)
+        return torch.cat(parts, dim)
+
+    out = {
+        "y": gather(y.detach(), 0) if sequence_parallel else y.detach(),
+        "dx": gather(x.grad, 0) if sequence_parallel else x.grad,
+        "a1": col.lora_a.detach(), "da1": col.lora_a.grad,
+        "b1": gather(col.lora_b.detach(), 0), "db1": gather(col.lora_b.grad, 0),
+        "a2": gather(row.lora_a.detach(), 1), "da2": gather(row.lora_a.grad, 1),
+        "b2": row.lora_b.detach(), "db2": row.lora_b.grad,
+        "base_grads": [p.grad for p in (col.weight, row.weight)],
+        "trainable": sorted(f"{prefix}.{name}" for module, prefix in ((col, "col"), (row, "row"))
+                            for name, p in module.named_parameters() if p.requires_grad),
+    }  # fmt: skip
+    return out
+
+
+def _reference(a1, b1, a2, b2, *, zero_b: bool) -> dict[str, torch.Tensor]:
+    """float64: both layers with their adapters written out, autograd for the gradients."""
+    full = _full_tensors()
+    scale = ALPHA / RANK
+    a1, a2 = a1.double().requires_grad_(), a2.double().requires_grad_()
+    b1 = (torch.zeros_like(full["b1"]) if zero_b else full["b1"]).clone().requires_grad_()
+    b2 = (torch.zeros_like(full["b2"]) if zero_b else full["b2"]).clone().requires_grad_()
+    x = full["x"].clone().requires_grad_()
+    hidden = x @ full["w1"].t() + scale * (x @ a1.t()) @ b1.t()
+    y = hidden @ full["w2"].t() + scale * (hidden @ a2.t()) @ b2.t()
+    y.backward(full["dy"])
+    return {"y": y, "dx": x.grad, "da1": a1.grad, "db1": b1.grad, "da2": a2.grad, "db2": b2.grad}
+
+
+@pytest.fixture(scope="module")
+def layouts():
+    """(TP, sequence parallel, B zero) -> rank 0's report."""
+    return dict(run_on_ranks(_cases, 2))
+
+
+@pytest.mark.parametrize("case", [(1, False, False), (2, False, False), (2, True, False)], ids=["tp1", "tp2", "tp2_sp"])
+def test_outputs_and_adapter_gradients_equal_a_float64_reference(layouts, case):
+    got = layouts[case]
+    ref = _reference(got["a1"], got["b1"], got["a2"], got["b2"], zero_b=False)
+    for key, want in ref.items():
+        assert torch.allclose(got[key].double(), want, rtol=1e-5, atol=1e-5), (
+            case,
+            key,
+            (got[key].double() - want).abs().max(),
+        )
+
+
+def test_every_layout_holds_the_same_adapter_a(layouts):
+    one = layouts[1, False, False]
+    for case in [(2, False, False), (2, True, False)]:
+        assert torch.equal(layouts[case]["a1"], one["a1"]) and torch.equal(layouts[case]["a2"], one["a2"]), case
+    assert one["a1"].abs().max() > 0  # drawn, not left zero
+
+
+def test_only_the_adapters_train_and_b_zero_is_the_base_model(layouts):
+    for report in layouts.values():
+        assert report["base_grads"] == [None, None]
+        assert report["trainable"] == ["col.lora_a", "col.lora_b", "row.lora_a", "row.lora_b"]
+    zero = layouts[2, False, True]
+    full = _full_tensors()
+    base = (full["x"] @ full["w1"].t()) @ full["w2"].t()
+    assert torch.allclose(zero["y"].double(), base, rtol=1e-6, atol=1e-6)
+    # B = 0: A gets no gradient yet, B does (the first step moves B only)
+    assert zero["da1"].abs().max() == 0 and zero["db1"].abs().max() > 0
+
+
+def test_with_lora_puts_adapters_on_the_named_linears_of_the_layer_spec():
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    from megatron_rl.models import adapter_for_config
+    from megatron_rl.models.lora import (
+        TARGET_MODULES,
+        LoRAColumnParallelLinear,
+        LoRARowParallelLinear,
+        LoRASettings,
+        with_lora,
+    )
+
+    cfg = {"model_type": "qwen2", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 128}  # fmt: skip
+    base = adapter_for_config(cfg).layer_spec(cfg, use_te=False)
+    lora = LoRASettings(rank=4, alpha=8.0)
+    spec = with_lora(base, lora, ("linear_qkv", "linear_fc2"))
+    attn, mlp = spec.submodules.self_attention.submodules, spec.submodules.mlp.submodules
+    assert attn.linear_qkv.module is LoRAColumnParallelLinear and attn.linear_qkv.params["lora"] == lora
+    assert mlp.linear_fc2.module is LoRARowParallelLinear
+    assert attn.linear_proj is base.submodules.self_attention.submodules.linear_proj  # not a target: untouched
+    assert base.submodules.self_attention.submodules.linear_qkv is ColumnParallelLinear  # the input spec is not changed
+    every = with_lora(base, lora, TARGET_MODULES)
+    assert every.submodules.mlp.submodules.linear_fc1.module is LoRAColumnParallelLinear
+    with pytest.raises(ValueError, match="unknown LoRA target modules"):
+        with_lora(base, lora, ("q_proj",))
+    fused = with_lora(base, lora, ())
+    fused.submodules.self_attention.submodules.linear_qkv = ModuleSpec(module=torch.nn.Linear)
+    with pytest.raises(ValueError, match="needs megatron's local linear layers"):
+        with_lora(fused, lora, ("linear_qkv",))
