@@ -37,6 +37,7 @@ holds different data (a sequence slice, an input shard).
 
 from __future__ import annotations
 
+import functools
 import math
 import zlib
 from collections.abc import Iterable
@@ -195,7 +196,7 @@ def with_lora(layer_spec: ModuleSpec, lora: LoRASettings, target_modules: tuple[
     spec = copy.deepcopy(layer_spec)
     found = set()
     for block in (spec.submodules.self_attention, spec.submodules.mlp):
-        sub = block.submodules
+        sub = _submodules(block)
         for name in TARGET_MODULES:
             if name not in target_modules or not hasattr(sub, name):
                 continue
@@ -212,18 +213,35 @@ def with_lora(layer_spec: ModuleSpec, lora: LoRASettings, target_modules: tuple[
     return spec
 
 
+def _submodules(block):
+    """A block spec's submodules: a ``ModuleSpec``'s, or (megatron-core 0.19's MLP) those a
+    ``functools.partial`` of the block's builder is given."""
+    if isinstance(block, ModuleSpec):
+        return block.submodules
+    if isinstance(block, functools.partial) and "submodules" in block.keywords:
+        return block.keywords["submodules"]
+    raise ValueError(f"cannot find the linear layers of the layer spec's {block!r}")
+
+
 def init_lora(model_chunks: Iterable[torch.nn.Module]) -> int:
-    """Initialise every adapter of the built model (module doc): A from the seed, the global
-    layer number (megatron's ``TransformerLayer.layer_number``, PP offset included) and the
-    linear's name; B zero. Returns the number of adapted linears on this rank."""
+    """Make the built model a LoRA model: initialise every adapter (module doc: A from the
+    seed, the global layer number, megatron's ``TransformerLayer.layer_number`` with the PP
+    offset, and the linear's name; B zero) and freeze every other parameter (embedding,
+    norms, output layer, the adapted layers' own weights). Returns the number of adapted
+    linears on this rank."""
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
+    chunks = list(model_chunks)
     count = 0
-    for chunk in model_chunks:
+    for chunk in chunks:
         for layer in chunk.modules():
             if isinstance(layer, TransformerLayer):
                 for module in layer.modules():
                     if isinstance(module, _LoRAMixin):
                         module.reset_adapter(layer_number=layer.layer_number)
                         count += 1
+        adapters = {id(m.lora_a) for m in chunk.modules() if isinstance(m, _LoRAMixin)}
+        adapters |= {id(m.lora_b) for m in chunk.modules() if isinstance(m, _LoRAMixin)}
+        for param in chunk.parameters():
+            param.requires_grad_(id(param) in adapters)
     return count

@@ -48,6 +48,51 @@ def _cases(rank, world, results):
             parallel_state.destroy_model_parallel()
         if rank == 0:
             results.append((case, out))
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
+    with cpu_shim.cuda_to_cpu():
+        tensor_parallel.model_parallel_cuda_manual_seed(1)
+    try:
+        out = _gpt_models()
+    finally:
+        parallel_state.destroy_model_parallel()
+    if rank == 0:
+        results.append(("gpt", out))
+
+
+QWEN2 = {"model_type": "qwen2", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 128}  # fmt: skip
+
+
+def _gpt_models() -> dict:
+    """A GPTModel from the adapter's layer spec and one from ``with_lora`` of it (TP = 2),
+    the same base weights: with B = 0 their logits are equal."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_rl.actor.compat import cpu_shim
+    from megatron_rl.models import adapter_for_config, padded_vocab_size
+    from megatron_rl.models.lora import TARGET_MODULES, LoRASettings, init_lora, with_lora
+
+    adapter = adapter_for_config(QWEN2)
+    vocab = padded_vocab_size(QWEN2["vocab_size"], tp_size=2)
+    config = TransformerConfig(**adapter.transformer_config_kwargs(QWEN2) | cpu_shim.transformer_config_overrides(),
+                               tensor_model_parallel_size=2, params_dtype=torch.float32, pipeline_dtype=torch.float32)  # fmt: skip
+    spec = adapter.layer_spec(QWEN2, use_te=False)
+    models = {}
+    for name, layer_spec in (
+        ("base", spec),
+        ("lora", with_lora(spec, LoRASettings(rank=4, alpha=8.0), TARGET_MODULES)),
+    ):
+        models[name] = GPTModel(config=config, transformer_layer_spec=layer_spec, pre_process=True, post_process=True,
+                                **adapter.gpt_model_kwargs(QWEN2, padded_vocab_size=vocab))  # fmt: skip
+    adapted = init_lora([models["lora"]])
+    missing, unexpected = models["lora"].load_state_dict(models["base"].state_dict(), strict=False)
+    tokens = torch.randint(0, QWEN2["vocab_size"], (2, 8), generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(8).unsqueeze(0).expand(2, 8)
+    with torch.no_grad():
+        logits = {n: m.eval()(tokens, positions, attention_mask=None) for n, m in models.items()}
+    return {"adapted": adapted, "missing": sorted(missing), "unexpected": sorted(unexpected), "logits": logits,
+            "trainable": sorted(n for n, p in models["lora"].named_parameters() if p.requires_grad)}  # fmt: skip
 
 
 def _pass(world, sequence_parallel, zero_b):
@@ -148,7 +193,7 @@ def test_every_layout_holds_the_same_adapter_a(layouts):
 
 
 def test_only_the_adapters_train_and_b_zero_is_the_base_model(layouts):
-    for report in layouts.values():
+    for report in (layouts[case] for case in CASES):
         assert report["base_grads"] == [None, None]
         assert report["trainable"] == ["col.lora_a", "col.lora_b", "row.lora_a", "row.lora_b"]
     zero = layouts[2, False, True]
@@ -169,24 +214,33 @@ def test_with_lora_puts_adapters_on_the_named_linears_of_the_layer_spec():
         LoRAColumnParallelLinear,
         LoRARowParallelLinear,
         LoRASettings,
+        _submodules,
         with_lora,
     )
 
-    cfg = {"model_type": "qwen2", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-           "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 128}  # fmt: skip
-    base = adapter_for_config(cfg).layer_spec(cfg, use_te=False)
+    base = adapter_for_config(QWEN2).layer_spec(QWEN2, use_te=False)
     lora = LoRASettings(rank=4, alpha=8.0)
     spec = with_lora(base, lora, ("linear_qkv", "linear_fc2"))
-    attn, mlp = spec.submodules.self_attention.submodules, spec.submodules.mlp.submodules
+    attn, mlp = (_submodules(b) for b in (spec.submodules.self_attention, spec.submodules.mlp))
     assert attn.linear_qkv.module is LoRAColumnParallelLinear and attn.linear_qkv.params["lora"] == lora
     assert mlp.linear_fc2.module is LoRARowParallelLinear
-    assert attn.linear_proj is base.submodules.self_attention.submodules.linear_proj  # not a target: untouched
-    assert base.submodules.self_attention.submodules.linear_qkv is ColumnParallelLinear  # the input spec is not changed
+    assert attn.linear_proj is _submodules(base.submodules.self_attention).linear_proj  # not a target: untouched
+    assert _submodules(base.submodules.self_attention).linear_qkv is ColumnParallelLinear  # the input is not changed
     every = with_lora(base, lora, TARGET_MODULES)
-    assert every.submodules.mlp.submodules.linear_fc1.module is LoRAColumnParallelLinear
+    assert _submodules(every.submodules.mlp).linear_fc1.module is LoRAColumnParallelLinear
     with pytest.raises(ValueError, match="unknown LoRA target modules"):
         with_lora(base, lora, ("q_proj",))
     fused = with_lora(base, lora, ())
-    fused.submodules.self_attention.submodules.linear_qkv = ModuleSpec(module=torch.nn.Linear)
+    _submodules(fused.submodules.self_attention).linear_qkv = ModuleSpec(module=torch.nn.Linear)
     with pytest.raises(ValueError, match="needs megatron's local linear layers"):
         with_lora(fused, lora, ("linear_qkv",))
+
+
+def test_a_gpt_model_with_adapters_starts_as_the_base_model(layouts):
+    """TP = 2: the LoRA spec's GPTModel with the base model's weights (B = 0) gives its
+    logits exactly; its only trainable parameters are the 2 layers x 4 linears' A and B."""
+    gpt = layouts["gpt"]
+    assert gpt["adapted"] == 8 and gpt["unexpected"] == []
+    assert gpt["missing"] == gpt["trainable"] and len(gpt["trainable"]) == 16
+    assert all(n.endswith((".lora_a", ".lora_b")) for n in gpt["trainable"])
+    assert torch.equal(gpt["logits"]["lora"], gpt["logits"]["base"])
