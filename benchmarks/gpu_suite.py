@@ -74,7 +74,7 @@ for _p in (str(REPO), str(HERE)):  # the source tree and the sibling benchmarks 
 
 from gpu_suite_cases import case_actor, case_engine, case_linear, case_logprob, case_loss  # noqa: E402
 from gpu_suite_harness import Suite, _dtype, _median  # noqa: E402
-from gpu_suite_moe import case_moe  # noqa: E402
+from gpu_suite_moe import case_moe, moe_sizes  # noqa: E402
 
 CASES = ("loss", "linear", "actor", "engine", "logprob", "moe")
 
@@ -90,19 +90,6 @@ def qwen2(**kw) -> dict:
         "rope_theta": 1_000_000.0,
         "rms_norm_eps": 1e-6,
         "tie_word_embeddings": True,
-    }
-    return {**base, **kw}
-
-
-def qwen3_moe(**kw) -> dict:
-    base = {
-        "model_type": "qwen3_moe",
-        "hidden_act": "silu",
-        "rope_theta": 1_000_000.0,
-        "rms_norm_eps": 1e-6,
-        "tie_word_embeddings": False,
-        "norm_topk_prob": True,
-        "intermediate_size": kw["moe_intermediate_size"],
     }
     return {**base, **kw}
 
@@ -166,26 +153,8 @@ def gpu_sizes() -> Sizes:
         gemm_dtype="bfloat16",
         reserve_s={"loss": 30, "linear": 30, "actor": 60, "engine": 30, "logprob": 60, "moe": 60},
         # One layer of Qwen3-30B-A3B (128 experts of width 768, top-8); the actor: two such layers.
-        moe={
-            "gemm": {"tokens": 16384, "topk": 8, "experts": 128, "hidden": 2048, "width": 768, "dtype": "bfloat16"},
-            "model": qwen3_moe(
-                hidden_size=2048,
-                num_hidden_layers=2,
-                num_attention_heads=32,
-                num_key_value_heads=4,
-                head_dim=128,
-                num_experts=128,
-                num_experts_per_tok=8,
-                moe_intermediate_size=768,
-                vocab_size=151_936,
-                max_position_embeddings=4096,
-            ),
-            "sequences": 8,
-            "seq_len": 2048,
-            "microbatch_tokens": 4096,
-            "steps": 3,
-            "dtype": "bfloat16",
-        },  # fmt: skip
+        moe=moe_sizes(experts=128, topk=8, hidden=2048, width=768, attention=(32, 4, 128), vocab=151_936,
+                      gemm_tokens=16384, batch=(8, 2048, 4096, 3), actor_dtype="bfloat16"),  # fmt: skip
     )
 
 
@@ -221,27 +190,8 @@ def tiny_sizes() -> Sizes:
         repeats=2,
         warmup=1,
         reserve_s={c: 5 for c in CASES},
-        # bf16 GEMMs: torch's CPU grouped_mm takes bf16 (not float32) operands
-        moe={
-            "gemm": {"tokens": 64, "topk": 2, "experts": 4, "hidden": 32, "width": 16, "dtype": "bfloat16"},
-            "model": qwen3_moe(
-                hidden_size=64,
-                num_hidden_layers=2,
-                num_attention_heads=4,
-                num_key_value_heads=2,
-                head_dim=16,
-                num_experts=4,
-                num_experts_per_tok=2,
-                moe_intermediate_size=32,
-                vocab_size=1000,
-                max_position_embeddings=256,
-            ),
-            "sequences": 4,
-            "seq_len": 32,
-            "microbatch_tokens": 64,
-            "steps": 2,
-            "dtype": "float32",
-        },  # fmt: skip
+        moe=moe_sizes(experts=4, topk=2, hidden=64, width=32, attention=(4, 2, 16), vocab=1000,
+                      gemm_tokens=64, batch=(4, 32, 64, 2), actor_dtype="float32"),  # fmt: skip
     )
 
 

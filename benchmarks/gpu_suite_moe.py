@@ -174,6 +174,24 @@ def _actor_case(suite: Suite) -> None:
     )  # fmt: skip
 
 
+def moe_sizes(*, experts: int, topk: int, hidden: int, width: int, attention: tuple[int, int, int], vocab: int,
+              gemm_tokens: int, batch: tuple[int, int, int, int], actor_dtype: str) -> dict:  # fmt: skip
+    """``Sizes.moe``: the expert GEMMs of one layer (bf16: torch's grouped_mm takes no float32
+    on a CPU) and a two-layer Qwen3-MoE of the same experts. ``attention``: heads, KV
+    heads, head size; ``batch``: sequences, sequence length, micro-batch tokens, steps."""
+    heads, kv_heads, head_dim = attention
+    sequences, seq_len, microbatch_tokens, steps = batch
+    gemm = {"tokens": gemm_tokens, "topk": topk, "experts": experts, "hidden": hidden, "width": width,
+            "dtype": "bfloat16"}  # fmt: skip
+    model = {"model_type": "qwen3_moe", "hidden_act": "silu", "rope_theta": 1_000_000.0, "rms_norm_eps": 1e-6,
+             "tie_word_embeddings": False, "norm_topk_prob": True, "hidden_size": hidden, "num_hidden_layers": 2,
+             "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": head_dim,
+             "num_experts": experts, "num_experts_per_tok": topk, "moe_intermediate_size": width,
+             "intermediate_size": width, "vocab_size": vocab, "max_position_embeddings": 2 * seq_len}  # fmt: skip
+    return {"gemm": gemm, "model": model, "sequences": sequences, "seq_len": seq_len,
+            "microbatch_tokens": microbatch_tokens, "steps": steps, "dtype": actor_dtype}  # fmt: skip
+
+
 def case_moe(suite: Suite) -> None:
     _gemm_case(suite)
     suite.free()

@@ -21,20 +21,22 @@ import subprocess
 import sys
 import time
 
-KINDS = [
-    ("ray idle worker", re.compile(r"^ray::IDLE")),
-    ("ray actor", re.compile(r"^ray::(\w+)")),
-    ("ray daemons", re.compile(r"raylet|gcs_server|dashboard|log_monitor|runtime_env|ray/_private|monitor\.py")),
-    ("torchrun rank", re.compile(r"tests/helpers/(\w+)\.py")),
-    ("torchrun launcher", re.compile(r"torch\.distributed\.run|torchrun")),
-    ("cli run", re.compile(r"-m megatron_rl (\w+)|megatron-rl (\w+)")),
-    ("vllm engine core", re.compile(r"VLLM|EngineCore|vllm")),
-    ("multiprocessing child", re.compile(r"multiprocessing")),
-    ("slurm", re.compile(r"slurm|munge")),
-    ("benchmark", re.compile(r"benchmarks/(\w+)\.py")),
-    ("pytest", re.compile(r"pytest")),
-    ("pip", re.compile(r"\bpip\b")),
-]
+_KIND_PATTERNS = r"""
+ray idle worker         ^ray::IDLE
+ray actor               ^ray::(\w+)
+ray daemons             raylet|gcs_server|dashboard|log_monitor|runtime_env|ray/_private|monitor\.py
+torchrun rank           tests/helpers/(\w+)\.py
+torchrun launcher       torch\.distributed\.run|torchrun
+cli run                 -m megatron_rl (\w+)|megatron-rl (\w+)
+vllm engine core        VLLM|EngineCore|vllm
+multiprocessing child   multiprocessing
+slurm                   slurm|munge
+benchmark               benchmarks/(\w+)\.py
+pytest                  pytest
+pip                     \bpip\b
+"""
+KINDS = [(line[:24].strip(), re.compile(line[24:].strip())) for line in _KIND_PATTERNS.strip().splitlines()]
+"""A process's kind: the first pattern its command line matches (a group names the detail)."""
 TICK = os.sysconf("SC_CLK_TCK")
 
 
