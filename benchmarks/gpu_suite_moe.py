@@ -109,20 +109,11 @@ def _gemm_case(suite: Suite) -> None:
     )  # fmt: skip
 
 
-def active_matmul_params(cfg: dict) -> int:
-    """Parameters one token multiplies with in a Qwen3-MoE: attention, the router, its k
-    experts of every layer, and the output layer."""
-    h, heads, kv = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    head = cfg.get("head_dim") or h // heads
-    attn = h * (heads + 2 * kv) * head + heads * head * h
-    experts = cfg["num_experts_per_tok"] * 3 * h * cfg["moe_intermediate_size"]
-    return cfg["num_hidden_layers"] * (attn + h * cfg["num_experts"] + experts) + cfg["vocab_size"] * h
-
-
 def _actor_case(suite: Suite) -> None:
     import torch
 
     from megatron_rl.actor.batch import ActorBatch
+    from megatron_rl.cluster.planner import Architecture
 
     m = suite.sizes.moe
     cfg, n, length = m["model"], m["sequences"], m["seq_len"]
@@ -148,24 +139,25 @@ def _actor_case(suite: Suite) -> None:
         del actor
         suite.free()
     step_s, tokens = _median(times), n * length
+    _, active = Architecture.from_hf_config(cfg).parameters()  # the planner's count (one copy of each tensor)
+    # A token multiplies with its active parameters but the input embedding (a lookup; the
+    # norms' few weights are counted too), plus attention's scores and values.
+    matmul = active - (0 if cfg["tie_word_embeddings"] else cfg["vocab_size"] * cfg["hidden_size"])
     head = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    flops = (
-        6.0 * active_matmul_params(cfg) * tokens
-        + 6.0 * cfg["num_hidden_layers"] * length * cfg["num_attention_heads"] * head * tokens
-    )
+    flops = 6.0 * matmul * tokens + 6.0 * cfg["num_hidden_layers"] * length * cfg["num_attention_heads"] * head * tokens
     measured = suite.calib.get("gemm_flops_per_s") if suite.sizes.gemm_dtype == m["dtype"] else None
     for key in ("loss/total", "actor/grad_norm"):
         if not math.isfinite(float(metrics.get(key, float("nan")))):
             raise RuntimeError(f"MoE train step gave a non-finite {key}: {metrics.get(key)}")
     suite.emit(
         "moe", "actor step", spec="local", experts="sequential", dtype=m["dtype"], params=total,
-        active_params=active_matmul_params(cfg), sequences=n, seq_len=length, tokens_per_step=tokens,
+        active_params=active, sequences=n, seq_len=length, tokens_per_step=tokens,
         build_s=build_s, step_s=step_s, step_s_all=times, tokens_per_s=tokens / step_s,
         model_tflops_per_s=flops / step_s / 1e12, mfu_vs_measured_gemm=flops / step_s / measured if measured else None,
         loss=metrics.get("loss/total"), load_balancing_loss=metrics.get("moe/load_balancing_loss"),
         peak_memory_bytes=None if peak is None else peak + base,
         table={
-            "shape": f"{total / 1e9:.2f}B params ({active_matmul_params(cfg) / 1e9:.2f}B active), "
+            "shape": f"{total / 1e9:.2f}B params ({active / 1e9:.2f}B active), "
                      f"{cfg['num_experts']} experts top-{cfg['num_experts_per_tok']}, {tokens:,} tokens, {m['dtype']}",
             "sequential ms": f"{step_s * 1e3:.0f} ({tokens / step_s:,.0f} tokens/s, {flops / step_s / 1e12:.1f} TFLOP/s)",
             "grouped ms": "needs Transformer Engine (TEGroupedMLP)",

@@ -44,7 +44,7 @@ def kind_of(cmdline: str) -> str:
     for name, pattern in KINDS:
         match = pattern.search(cmdline)
         if match:
-            detail = next((g for g in match.groups() if g), None) if match.groups() else None
+            detail = next((g for g in match.groups() if g), None)
             return f"{name}: {detail}" if detail else name
     return "other: " + (os.path.basename(cmdline.split(" ", 1)[0]) or "?")
 

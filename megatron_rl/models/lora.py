@@ -231,17 +231,16 @@ def init_lora(model_chunks: Iterable[torch.nn.Module]) -> int:
     linears on this rank."""
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
-    chunks = list(model_chunks)
     count = 0
-    for chunk in chunks:
+    for chunk in model_chunks:
+        adapters = set()
         for layer in chunk.modules():
             if isinstance(layer, TransformerLayer):
                 for module in layer.modules():
                     if isinstance(module, _LoRAMixin):
                         module.reset_adapter(layer_number=layer.layer_number)
+                        adapters |= {id(module.lora_a), id(module.lora_b)}
                         count += 1
-        adapters = {id(m.lora_a) for m in chunk.modules() if isinstance(m, _LoRAMixin)}
-        adapters |= {id(m.lora_b) for m in chunk.modules() if isinstance(m, _LoRAMixin)}
         for param in chunk.parameters():
             param.requires_grad_(id(param) in adapters)
     return count

@@ -4,7 +4,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "tiny_cpu.yaml"
@@ -159,9 +158,8 @@ def kill9_and_resume(tmp_path, *args: str, checkpointed: int, logged: int, examp
     tmp_path.mkdir(parents=True, exist_ok=True)
     ref = train_cli(tmp_path / "a", *args, log=tmp_path / "a.log", example=example)
     victim = train_cli(tmp_path / "b", *args, log=tmp_path / "b.log", example=example)
-    run_name = yaml.safe_load(example.read_text())["logging"]["run_name"]
+    ref_dir, run_dir = (tiny_config(tmp_path / d, *args, example=example).run_dir for d in ("a", "b"))
     try:
-        run_dir = tmp_path / "b" / run_name
         deadline = time.time() + 600
         while time.time() < deadline:
             if (run_dir / "checkpoints" / f"step_{checkpointed:06d}").is_dir() and (run_dir / "metrics.jsonl").exists():
@@ -183,7 +181,7 @@ def kill9_and_resume(tmp_path, *args: str, checkpointed: int, logged: int, examp
     out, _ = resumed.communicate(timeout=600)
     assert resumed.returncode == 0, out
     return KilledAndResumed(
-        uninterrupted={r["step"]: r for r in read_metrics(tmp_path / "a" / run_name)},
+        uninterrupted={r["step"]: r for r in read_metrics(ref_dir)},
         resumed={r["step"]: r for r in read_metrics(run_dir)},
         run_dir=run_dir,
         latest_after_kill=latest,
