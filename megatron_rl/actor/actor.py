@@ -320,7 +320,12 @@ class MegatronActor(PolicyModel):
             "skipped_steps": self.skipped_steps,
             "adam_step": None if float(step_t) < 0 else float(step_t),
             "scheduler": self.scheduler.state_dict(),
-        }
+            # what the adapters are (a LoRA checkpoint loads only into a model with them)
+            "lora": None if self.spec.lora is None else {
+                "rank": self.spec.lora.rank, "alpha": self.spec.lora.alpha,
+                "target_modules": list(self.spec.lora.target_modules),
+            },
+        }  # fmt: skip
         if trainer_state is not None:
             state["trainer"] = trainer_state
         return ckpt.save_checkpoint(

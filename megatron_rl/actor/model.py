@@ -17,7 +17,7 @@ import contextlib
 import json
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -27,6 +27,9 @@ from megatron_rl.config.parallel import ParallelConfig
 from megatron_rl.config.trainer import ActorConfig
 from megatron_rl.models import DecoderAdapter, adapter_for_config, padded_vocab_size
 from megatron_rl.models.common import config_dict
+
+if TYPE_CHECKING:
+    from megatron_rl.models.lora import LoRASettings
 
 __all__ = [
     "build_gpt_model",
@@ -64,14 +67,15 @@ def te_available() -> bool:
     return True
 
 
-def resolve_use_te(options: ModelOptions, *, available: bool | None = None) -> bool:
+def resolve_use_te(options: ModelOptions, *, lora: bool = False, available: bool | None = None) -> bool:
     """Whether the Transformer-Engine spec is used (``model.use_te``, or auto: where TE
-    imports on a CUDA machine); a ``ConfigError`` naming the field when TE is asked for
-    (``use_te: true`` or ``fp8``) but not available. ``available`` overrides the probe."""
+    imports on a CUDA machine, unless ``lora``: adapters sit on the local spec's linears);
+    a ``ConfigError`` naming the field when TE is asked for (``use_te: true`` or ``fp8``)
+    but not available. ``available`` overrides the probe."""
     from megatron_rl.config.lib import ConfigError
 
     available = te_available() if available is None else available
-    use_te = available if options.use_te is None else options.use_te
+    use_te = (available and not lora) if options.use_te is None else options.use_te
     if use_te and not available:
         raise ConfigError("model.use_te", "got True; transformer_engine is not importable on a CUDA machine here")
     if options.fp8 is not None and not use_te:
@@ -105,7 +109,7 @@ def build_transformer_config(
     """
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    use_te = resolve_use_te(options)
+    use_te = resolve_use_te(options, lora=actor is not None and actor.lora is not None)
     return TransformerConfig(**transformer_config_kwargs(hf_config, parallel=parallel, options=options, actor=actor,
                                                          use_te=use_te))  # fmt: skip
 
@@ -153,12 +157,19 @@ def transformer_config_kwargs(
     return kwargs
 
 
-def layer_spec(adapter: DecoderAdapter, hf_config: Mapping[str, Any], transformer_config, *, use_te: bool):
-    """The decoder spec of this pipeline stage: the adapter's layer spec, or with sequence
+def layer_spec(
+    adapter: DecoderAdapter, hf_config: Mapping[str, Any], transformer_config, *, use_te: bool, lora: LoRASettings | None = None
+):
+    """The decoder spec of this pipeline stage: the adapter's layer spec (with ``lora``, its
+    targeted linears carrying adapters: ``models.lora.with_lora``), or with sequence
     parallelism on the local spec, a block spec whose every norm supports it (megatron's
     local norm refuses sequence parallelism)."""
     sequence_parallel = bool(transformer_config.sequence_parallel)
     spec = adapter.layer_spec(hf_config, use_te=use_te, sequence_parallel=sequence_parallel)
+    if lora is not None:
+        from megatron_rl.models.lora import with_lora
+
+        spec = with_lora(spec, lora)
     if use_te or not sequence_parallel:
         return spec
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
@@ -177,9 +188,11 @@ def build_gpt_model(
     post_process: bool,
     options: ModelOptions,
     adapter: DecoderAdapter | None = None,
+    lora: LoRASettings | None = None,
 ):
     """The ``GPTModel`` of one pipeline stage (``pre_process``: embedding; ``post_process``:
-    final norm + output layer), vocabulary padded for TP.
+    final norm + output layer), vocabulary padded for TP; with ``lora``, adapters built in
+    and initialised and every other parameter frozen (``models.lora.init_lora``).
 
     The output layer keeps its logits vocab-parallel (``parallel_output=True``): the loss
     is the fused vocab-parallel op, which never gathers the vocabulary. Parameters are
@@ -189,7 +202,7 @@ def build_gpt_model(
     from megatron.core.models.gpt import GPTModel
 
     adapter = adapter or adapter_for_config(hf_config)
-    use_te = resolve_use_te(options)
+    use_te = resolve_use_te(options, lora=lora is not None)
     vocab = padded_vocab_size(
         int(hf_config["vocab_size"]),
         tp_size=transformer_config.tensor_model_parallel_size,
@@ -199,13 +212,17 @@ def build_gpt_model(
     with cpu_shim.cuda_to_cpu():
         model = GPTModel(
             config=transformer_config,
-            transformer_layer_spec=layer_spec(adapter, hf_config, transformer_config, use_te=use_te),
+            transformer_layer_spec=layer_spec(adapter, hf_config, transformer_config, use_te=use_te, lora=lora),
             pre_process=pre_process,
             post_process=post_process,
             parallel_output=True,
             **adapter.gpt_model_kwargs(hf_config, padded_vocab_size=vocab),
         )
     model = adapter.finish_model(model)
+    if lora is not None:
+        from megatron_rl.models.lora import init_lora
+
+        init_lora([model])
     if options.torch_dtype != torch.float32:
         model = model.to(options.torch_dtype)
     if torch.cuda.is_available():

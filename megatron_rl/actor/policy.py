@@ -144,9 +144,10 @@ class PolicyModel:
             post_process=self.groups.is_last_stage,
             options=spec.model,
             adapter=self.adapter,
+            lora=spec.lora,
         )
         self.fused_linear = spec.actor.loss_impl == "fused_linear"
-        self.use_te = resolve_use_te(spec.model)
+        self.use_te = resolve_use_te(spec.model, lora=spec.lora is not None)
         self.pad_multiple = pad_multiple(spec, use_te=self.use_te)
         self.router_losses: RouterLossMeter | None = None
         """A trained mixture-of-experts policy's router auxiliary losses (set by the actor)."""

@@ -1,4 +1,5 @@
-"""The frozen reference policy of the KL term: weights only, optionally kept in host memory.
+"""The frozen reference policy of the KL term: weights only, optionally kept in host memory
+(with LoRA: the actor with its adapters off, :class:`AdaptersOffReference`).
 
 A ``ReferencePolicy`` is one pipeline stage of the policy (``policy.py``) with nothing a
 frozen model does not need: no DDP wrapper, no gradient buffer, no optimizer, and
@@ -27,7 +28,7 @@ from megatron_rl.actor.launch import ProcessGroups
 from megatron_rl.actor.policy import LogProbs, PolicyModel
 from megatron_rl.actor.spec import ActorSpec
 
-__all__ = ["ReferencePolicy"]
+__all__ = ["AdaptersOffReference", "ReferencePolicy"]
 
 
 class ReferencePolicy(PolicyModel):
@@ -110,6 +111,22 @@ class ReferencePolicy(PolicyModel):
         ckpt.load_checkpoint(directory, model=self.model, optimizer=None, groups=self.groups, load_optimizer=False,
                              load_rng=False)  # fmt: skip
         self._after_weights_changed()
+
+
+class AdaptersOffReference:
+    """The reference policy of a LoRA actor (``actor.lora``): the actor itself with its
+    adapters switched off (``models.lora.adapters_off``). Its base weights are frozen from
+    the start, so that is exactly the run's initial policy, and it costs no memory: no
+    second copy of the weights, resident or offloaded."""
+
+    def __init__(self, actor: PolicyModel):
+        self.actor = actor
+
+    def compute_logprobs(self, batch: ActorBatch, temperature: float | None = None) -> LogProbs:
+        from megatron_rl.models.lora import adapters_off
+
+        with adapters_off(self.actor.model_chunks):
+            return self.actor.compute_logprobs(batch, temperature)
 
 
 def _host_copy(tensor: torch.Tensor) -> torch.Tensor:

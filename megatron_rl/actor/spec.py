@@ -54,6 +54,18 @@ class ActorSpec:
         return self.rollout.temperature
 
     @property
+    def lora(self):
+        """The adapters every rank builds (``models.lora.LoRASettings`` from ``actor.lora``,
+        A seeded by ``trainer.seed``), or None without LoRA."""
+        config = self.actor.lora
+        if config is None:
+            return None
+        from megatron_rl.models.lora import LoRASettings
+
+        return LoRASettings(rank=config.rank, alpha=config.alpha, dropout=config.dropout, seed=self.trainer.seed,
+                            target_modules=tuple(config.target_modules))  # fmt: skip
+
+    @property
     def with_reference(self) -> bool:
         """Whether the loss needs a reference policy's log-probs (a KL term)."""
         return self.algorithm.needs_ref_logp

@@ -40,7 +40,7 @@ import torch
 
 from megatron_rl.actor.actor import MegatronActor
 from megatron_rl.actor.batch import ActorBatch
-from megatron_rl.actor.reference import ReferencePolicy
+from megatron_rl.actor.reference import AdaptersOffReference, ReferencePolicy
 from megatron_rl.actor.spec import ActorSpec
 from megatron_rl.algo import (
     logprob_mismatch,
@@ -110,7 +110,7 @@ def _schedule(spec: ActorSpec, num_rows: int, step: int) -> list[tuple[str | Non
 
 
 def update_policy(
-    actor: MegatronActor, reference: ReferencePolicy | None, batch: ActorBatch, *, step: int, token_stats: bool = False
+    actor: MegatronActor, reference: ReferencePolicy | AdaptersOffReference | None, batch: ActorBatch, *, step: int, token_stats: bool = False
 ) -> dict[str, float]:
     """All of RL step ``step``'s optimizer steps on ``batch``; returns its metrics.
 

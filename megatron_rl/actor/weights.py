@@ -58,8 +58,11 @@ _GATED_FC1_SUFFIXES = ("linear_fc1.weight", "linear_fc1.bias")
 _GROUPED_WEIGHT = re.compile(r"(linear_fc[12]\.(?:weight|bias))(\d+)")
 
 
-def global_parameters(model: torch.nn.Module, adapter: DecoderAdapter | None = None) -> dict[str, torch.nn.Parameter]:
-    """``{canonical global name: parameter}`` of one pipeline stage's ``GPTModel``.
+def global_parameters(
+    model: torch.nn.Module, adapter: DecoderAdapter | None = None, *, merge_adapters: bool = False
+) -> dict[str, torch.nn.Parameter]:
+    """``{canonical global name: parameter}`` of one pipeline stage's ``GPTModel``: its base
+    model's parameters (a LoRA model's adapters are not among them).
 
     Layer names carry the global layer index (``layer_number - 1``), so stage 1 of a
     2-stage 4-layer model reports ``decoder.layers.2.*`` and ``decoder.layers.3.*``; expert
@@ -68,6 +71,10 @@ def global_parameters(model: torch.nn.Module, adapter: DecoderAdapter | None = N
     ``local_experts.0, 1, ...`` or, on the TE spec, ``weight0, 1, ...``). Names are then
     made canonical by ``adapter.canonical_mcore_name`` (the dense decoders' mapping when no
     adapter is given).
+
+    ``merge_adapters``: an adapted linear's weight reads (``[name]``) as this rank's shard of
+    ``W + (alpha / rank) B A`` (``models.lora``: computed on each read, so a weight sync
+    holds one merged unit at a time), what the engines and HF exports get.
     """
     canonical = canonical_mcore_name if adapter is None else adapter.canonical_mcore_name
     layers = model.decoder.layers
@@ -76,8 +83,14 @@ def global_parameters(model: torch.nn.Module, adapter: DecoderAdapter | None = N
         for prefix, module in model.named_modules()
         if hasattr(module, "local_expert_indices") and hasattr(module, "experts")
     }
-    out = {}
+    # LoRA linears (models.lora): their adapter parameters are not base weights.
+    adapted = {name: module for name, module in model.named_modules() if hasattr(module, "merged_weight")}
+    adapter_params = {f"{name}.{p}" for name in adapted for p in ("lora_a", "lora_b")}
+    out = _MergedAdapters() if merge_adapters else {}
     for name, param in model.named_parameters():
+        if name in adapter_params:
+            continue
+        merged = adapted.get(name.removesuffix(".weight")) if merge_adapters and name.endswith(".weight") else None
         for prefix, indices in experts.items():
             if name.startswith(prefix):
                 name = prefix + _global_expert_name(name[len(prefix) :], indices)
@@ -86,7 +99,24 @@ def global_parameters(model: torch.nn.Module, adapter: DecoderAdapter | None = N
             local, _, rest = name[len(_LAYER_PREFIX) :].partition(".")
             name = f"{_LAYER_PREFIX}{layers[int(local)].layer_number - 1}.{rest}"
         out[canonical(name)] = param
+        if merged is not None:
+            out.merged[canonical(name)] = merged
     return out
+
+
+class _MergedAdapters(dict):
+    """:func:`global_parameters` with ``merge_adapters``: ``[name]`` of an adapted linear's
+    weight gives its merged shard (``merged[name].merged_weight()``, a new tensor); the
+    dict's own views (``items()``, ``values()``) give the stored parameters, which is what
+    the ownership and dtype bookkeeping reads (no merge computed for them)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.merged: dict[str, torch.nn.Module] = {}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        module = self.merged.get(name)
+        return super().__getitem__(name) if module is None else module.merged_weight()
 
 
 def _global_expert_name(rest: str, indices: list[int]) -> str:
@@ -202,7 +232,7 @@ def iter_hf_weight_buckets(
     first_copy = groups.ep_size > 1 and _in_first_expert_copy(groups)
     if to_first_rank and groups.dp_rank != 0 and not first_copy:
         return
-    local = global_parameters(model, adapter)
+    local = global_parameters(model, adapter, merge_adapters=True)
     owners = _ownership(local, groups)
     units = adapter.weight_units(hf_config, padded_vocab_size=padded_vocab_size)
     bucket: list[tuple[str, torch.Tensor]] = []

@@ -73,7 +73,7 @@ class ActorWorker:
         actor (and reference) from ``spec``."""
         from megatron_rl.actor.actor import MegatronActor
         from megatron_rl.actor.launch import init_process_group, initialize_parallel_from
-        from megatron_rl.actor.reference import ReferencePolicy
+        from megatron_rl.actor.reference import AdaptersOffReference, ReferencePolicy
 
         master_addr, master_port = rendezvous
         os.environ.update(
@@ -86,9 +86,18 @@ class ActorWorker:
         init_process_group(rank=self.rank, world_size=self.world_size)
         groups = initialize_parallel_from(spec.parallel, seed=spec.trainer.seed)
         self.actor = MegatronActor(spec, groups=groups)
-        if spec.with_reference:
+        if spec.with_reference and spec.lora is not None:
+            self.reference = AdaptersOffReference(self.actor)  # the frozen base: no weights of its own
+        elif spec.with_reference:
             self.reference = ReferencePolicy(spec, groups=groups)
             self.reference.copy_weights_from(self.actor)  # the random init, until initial weights load
+
+    @property
+    def _reference_weights(self):
+        """The reference policy when it holds weights of its own (not a LoRA actor's)."""
+        from megatron_rl.actor.reference import ReferencePolicy
+
+        return self.reference if isinstance(self.reference, ReferencePolicy) else None
 
     def compute_logprobs(self, batch: ActorBatch, policy: str = "actor") -> LogProbs:
         self.transitions.append((time.time(), f"logprobs:{policy}"))
@@ -117,15 +126,15 @@ class ActorWorker:
         state (``MegatronActor.offload_train_state``) and the reference's weights."""
         self.transitions.append((time.time(), "offload"))
         self.actor.offload_train_state()
-        if self.reference is not None:
-            self.reference.offload()
+        if self._reference_weights is not None:
+            self._reference_weights.offload()
 
     def onload_train_state(self) -> None:
         """Take the device back for an update (the reference only if it is kept resident)."""
         self.transitions.append((time.time(), "onload"))
         self.actor.onload_train_state()
-        if self.reference is not None and not self.reference.spec.actor.reference_offload:
-            self.reference.onload()
+        if self._reference_weights is not None and not self._reference_weights.spec.actor.reference_offload:
+            self._reference_weights.onload()
 
     def get_transitions(self) -> list[tuple[float, str]]:
         return list(self.transitions)
@@ -139,12 +148,12 @@ class ActorWorker:
         directory, or the weights of a Megatron checkpoint."""
         if is_hf_directory(source):
             self.actor.load_hf_weights(source)
-            if self.reference is not None:
-                self.reference.load_hf_weights(source)
+            if self._reference_weights is not None:
+                self._reference_weights.load_hf_weights(source)
         else:
             self.actor.load_checkpoint(source)
-            if self.reference is not None:
-                self.reference.load_weights_checkpoint(source)
+            if self._reference_weights is not None:
+                self._reference_weights.load_weights_checkpoint(source)
 
     def _weight_source(self, dtype: str, fp8: bool, *, every_rank: bool = False) -> Any:
         """The actor's HF-named tensors in ``dtype``, full on rank 0 only (or on

@@ -60,6 +60,7 @@ class RunConfig:
         self._check_fp8_padding()
         self._check_model_fits()
         self._check_supported()
+        self._check_lora()
         self._warn_ignored()
 
     @property
@@ -146,6 +147,31 @@ class RunConfig:
                 "rollout.tis_cap",
                 f"got None with max_staleness {roll.max_staleness}; responses of older weights need the "
                 "behaviour-policy correction (decoupled PPO's truncated importance weights, typically 2)",
+            )
+
+    def _check_lora(self) -> None:
+        """What LoRA adapters (``actor.lora``) cannot be combined with (yet)."""
+        lora = self.actor.lora
+        if lora is None:
+            return
+        if self.model.use_te or self.model.fp8 is not None:
+            raise ConfigError(
+                "actor.lora",
+                "adapters sit on megatron's local linear layers, not the Transformer-Engine spec's fused ones: "
+                f"set model.use_te false or null (got {self.model.use_te}) and model.fp8 null (got {self.model.fp8!r})",
+            )
+        if self.actor.reference_offload:
+            raise ConfigError(
+                "actor.reference_offload",
+                "true with actor.lora: the reference policy is the actor with its adapters off, no copy to offload",
+            )
+        tiny = self.model.tiny
+        experts_targeted = sorted({"linear_fc1", "linear_fc2"} & set(lora.target_modules))
+        if tiny is not None and tiny.num_experts > 0 and experts_targeted:
+            raise ConfigError(
+                "actor.lora.target_modules",
+                f"{experts_targeted} on a mixture-of-experts model: its experts take no adapters; target attention "
+                "(linear_qkv, linear_proj) only",
             )
 
     def _warn_ignored(self) -> None:

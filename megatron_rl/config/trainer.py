@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
@@ -178,6 +178,50 @@ class TrainerConfig(OptimConfig):
         return None if self.resume in ("auto", "never") else Path(self.resume)
 
 
+LoRATarget = Literal["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
+"""A linear layer of the decoder an adapter can sit on, by megatron-core's name: attention's
+fused QKV and output projections, the MLP's fused gate/up and down projections
+(``models.lora.TARGET_MODULES``)."""
+
+
+@dataclass(kw_only=True)
+class LoRAConfig:
+    """Low-rank adapters on the actor's linear layers (``docs/lora.md``): each targeted
+    layer computes ``W x + (alpha / rank) B A dropout(x)`` with its weight W frozen and only
+    A ``[rank, in]`` and B ``[out, rank]`` trained (B starts at zero, so the run starts at
+    the base model). Everything else is frozen too (embedding, norms, output layer): the
+    optimizer state and gradients exist for the adapters only, and a reference policy (a
+    KL term) is the same model with the adapters switched off, with no copy of the weights."""
+
+    rank: int = 16
+    """r, the adapters' inner width."""
+
+    alpha: float = 32.0
+    """The adapters' update is scaled by ``alpha / rank``."""
+
+    dropout: float = 0.0
+    """Dropout on the adapters' input in training forwards (log-prob passes use none)."""
+
+    target_modules: list[LoRATarget] = field(
+        default_factory=lambda: ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
+    )
+    """Which linear layers of every decoder layer carry an adapter (megatron's names:
+    ``linear_qkv`` = q/k/v_proj, ``linear_proj`` = o_proj, ``linear_fc1`` = gate/up_proj,
+    ``linear_fc2`` = down_proj). A mixture-of-experts model's experts take none: target
+    attention only there."""
+
+    def __post_init__(self) -> None:
+        require_range("rank", self.rank, ge=1, le=1 << 16)
+        require_range("alpha", self.alpha, gt=0.0)
+        require_range("dropout", self.dropout, ge=0.0, lt=1.0)
+        allowed = LoRATarget.__args__
+        if not self.target_modules or len(set(self.target_modules)) != len(self.target_modules) \
+                or not set(self.target_modules) <= set(allowed):  # fmt: skip
+            raise ConfigError(
+                "target_modules", f"got {self.target_modules}; a non-empty list of distinct names from {list(allowed)}"
+            )
+
+
 @dataclass(kw_only=True)
 class ActorConfig:
     """Settings of the Megatron actor that are neither architecture nor optimizer: optimizer
@@ -259,6 +303,10 @@ class ActorConfig:
     the loss); null: what the kernels need (with FP8 the recipe's GEMM alignment: 32 for
     ``mxfp8``, 16 otherwise; 16 with Transformer Engine; the TP size with sequence
     parallelism), else 1. With FP8 a value must be a multiple of the recipe's alignment."""
+
+    lora: LoRAConfig | None = None
+    """Train low-rank adapters instead of the whole model (``LoRAConfig``); null trains
+    every parameter."""
 
     call_timeout_s: float | None = None
     """Longest any call on the actor ranks may take (an update, a log-prob pass, a sync,

@@ -37,10 +37,11 @@ holds different data (a sequence slice, an input shard).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import zlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -54,13 +55,19 @@ __all__ = [
     "LoRAColumnParallelLinear",
     "LoRARowParallelLinear",
     "LoRASettings",
+    "adapters_off",
     "init_lora",
+    "ADAPTER_SUFFIXES",
+    "lora_modules",
     "with_lora",
 ]
 
 TARGET_MODULES = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 """The dense layer's linear layers an adapter can sit on (megatron's names): attention's
 fused QKV and output projections, the MLP's fused gate/up and down projections."""
+
+ADAPTER_SUFFIXES = (".lora_a", ".lora_b")
+"""How an adapter parameter's name ends (``...linear_qkv.lora_a``): not a base-model weight."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -75,6 +82,8 @@ class LoRASettings:
     """Dropout on the adapter's input (training forwards only)."""
     seed: int = 0
     """Seeds A's initialisation (with the global layer number and the linear's name)."""
+    target_modules: tuple[str, ...] = TARGET_MODULES
+    """Which of :data:`TARGET_MODULES` carry an adapter."""
 
     @property
     def scale(self) -> float:
@@ -93,6 +102,9 @@ class _LoRAMixin:
         """Adapter parameters (A from the default generator until :meth:`reset_adapter`, B
         zero); ``sharded``: which of them is split over the TP group, ``"a"`` or ``"b"``."""
         self.lora, self.lora_name, self._a_shape, self._a_slice = lora, name, a_shape, a_slice
+        self.adapter_on = True
+        """False: the layer computes its base ``W x`` alone (:func:`adapters_off`)."""
+        self._tp_axes = {"weight": 0, "bias": 0, "lora_b": 0} if sharded == "b" else {"weight": 1, "lora_a": 1}
         for p in self.parameters(recurse=False):  # the base layer's weight and bias: frozen
             p.requires_grad_(False)
         dtype, device = self.weight.dtype, self.weight.device
@@ -112,6 +124,34 @@ class _LoRAMixin:
         self.lora_a.copy_(full_a[self._a_slice])
         self.lora_b.zero_()
 
+    def merged_weight(self) -> torch.Tensor:
+        """This rank's shard of ``W + (alpha / rank) B A`` (W's shape, dtype and TP attributes;
+        summed in float32). The TP shards need no communication: a column-parallel layer's rows of W
+        take ``B_t A`` (its rows of B), a row-parallel layer's columns take ``B A_t``."""
+        delta = self.lora_b.detach().float() @ self.lora_a.detach().float()
+        merged = (self.weight.detach().float() + self.lora.scale * delta).to(self.weight.dtype)
+        for attr in ("tensor_model_parallel", "partition_dim", "partition_stride"):  # how W is split over TP
+            if hasattr(self.weight, attr):
+                setattr(merged, attr, getattr(self.weight, attr))
+        return merged
+
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        """megatron's, with the sharded adapter parameter split along its TP axis (the
+        replicated one is saved once, as the layer's bias of a row-parallel linear is)."""
+        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+        state_dict = self.state_dict(prefix="", keep_vars=True)
+        sharded = make_sharded_tensors_for_checkpoint(
+            state_dict, prefix, self._tp_axes, sharded_offsets,
+            tp_group=self.tp_group, dp_cp_group=metadata["dp_cp_group"],
+        )  # fmt: skip
+        if self.lora_name == "linear_fc1" and self.config.gated_linear_unit:
+            # B's rows follow W's: [gate_t; up_t] on TP rank t. megatron's MLP saves W (and its
+            # bias) through its SwiGLU factory so that any TP reads [gate; up]; B the same.
+            key = f"{prefix}lora_b"
+            sharded[key] = _swiglu_sharded(sharded[key], sharded_offsets, metadata, self.tp_group)
+        return sharded
+
     def _dropout(self, x: torch.Tensor, *, same_on_every_tp_rank: bool) -> torch.Tensor:
         p = self.lora.dropout
         if p == 0.0 or not self.training:
@@ -120,6 +160,19 @@ class _LoRAMixin:
             return torch.nn.functional.dropout(x, p)
         with tensor_parallel.get_cuda_rng_tracker().fork():
             return torch.nn.functional.dropout(x, p)
+
+
+def _swiglu_sharded(tensor, sharded_offsets, metadata, tp_group):
+    """megatron's ``apply_swiglu_sharded_factory`` (its arguments grew after megatron-core 0.16)."""
+    import inspect
+
+    from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
+
+    singleton = (metadata or {}).get("singleton_local_shards", False)
+    if "tp_group" in inspect.signature(apply_swiglu_sharded_factory).parameters:
+        return apply_swiglu_sharded_factory(tensor, sharded_offsets, singleton, tp_group=tp_group,
+                                            dp_group=metadata["dp_cp_group"])  # fmt: skip
+    return apply_swiglu_sharded_factory(tensor, sharded_offsets, singleton)
 
 
 class LoRAColumnParallelLinear(_LoRAMixin, ColumnParallelLinear):
@@ -144,6 +197,8 @@ class LoRAColumnParallelLinear(_LoRAMixin, ColumnParallelLinear):
         if runtime_gather_output:
             raise ValueError("LoRA adapters do not support gather_output")
         output, bias = super().forward(input_, weight, runtime_gather_output)
+        if not self.adapter_on:
+            return output, bias
         x = self._dropout(input_, same_on_every_tp_rank=not self.sequence_parallel)
         u = torch.matmul(x, self.lora_a.t())  # [s(/T), b, r]
         if self.sequence_parallel:
@@ -171,6 +226,8 @@ class LoRARowParallelLinear(_LoRAMixin, RowParallelLinear):
 
     def forward(self, input_: torch.Tensor):
         output, bias = super().forward(input_)
+        if not self.adapter_on:
+            return output, bias
         x = self._dropout(input_, same_on_every_tp_rank=False)  # each rank holds other columns
         u = torch.matmul(x, self.lora_a.t())  # a partial sum over this rank's columns
         if self.sequence_parallel:
@@ -183,13 +240,14 @@ class LoRARowParallelLinear(_LoRAMixin, RowParallelLinear):
 _LORA_CLASS = {ColumnParallelLinear: LoRAColumnParallelLinear, RowParallelLinear: LoRARowParallelLinear}
 
 
-def with_lora(layer_spec: ModuleSpec, lora: LoRASettings, target_modules: tuple[str, ...]) -> ModuleSpec:
-    """A copy of a local-spec decoder-layer spec whose ``target_modules`` carry adapters.
+def with_lora(layer_spec: ModuleSpec, lora: LoRASettings) -> ModuleSpec:
+    """A copy of a local-spec decoder-layer spec whose ``lora.target_modules`` carry adapters.
 
     Raises ``ValueError`` naming a target whose module is not a plain megatron
     column/row-parallel linear (the Transformer-Engine spec's fused norm + linear layers)."""
     import copy
 
+    target_modules = lora.target_modules
     unknown = sorted(set(target_modules) - set(TARGET_MODULES))
     if unknown:
         raise ValueError(f"unknown LoRA target modules {unknown}; choose from {list(TARGET_MODULES)}")
@@ -244,3 +302,24 @@ def init_lora(model_chunks: Iterable[torch.nn.Module]) -> int:
         for param in chunk.parameters():
             param.requires_grad_(id(param) in adapters)
     return count
+
+
+def lora_modules(model_chunks: Iterable[torch.nn.Module]) -> list[torch.nn.Module]:
+    """Every adapted linear below ``model_chunks``."""
+    return [m for chunk in model_chunks for m in chunk.modules() if isinstance(m, _LoRAMixin)]
+
+
+
+
+@contextlib.contextmanager
+def adapters_off(model_chunks: Iterable[torch.nn.Module]) -> Iterator[None]:
+    """Run ``model_chunks`` as the base model: every adapted linear computes ``W x`` alone
+    (the reference policy of a LoRA run; its weights are the frozen base)."""
+    modules = lora_modules(model_chunks)
+    for m in modules:
+        m.adapter_on = False
+    try:
+        yield
+    finally:
+        for m in modules:
+            m.adapter_on = True

@@ -33,20 +33,14 @@ import torch
 from safetensors.torch import load_file
 
 from megatron_rl.models.convert.hf_mcore import McoreToHfOptions, mcore_to_hf
-from tests.helpers.actor_job import REPO, run_actor_job
 
-WORKER = REPO / "tests" / "helpers" / "actor_worker.py"
-VARIANTS = ("qwen2_gqa", "qwen2_tied", "qwen3", "llama")
 LAYOUTS = ("tp1_pp1", "tp2_pp1", "tp1_pp2", "tp2_pp2")
 TOL = 1e-5
 
 
 @pytest.fixture(scope="module")
-def job(tmp_path_factory) -> dict:
-    root = tmp_path_factory.mktemp("actor")
-    reports, spec, out = run_actor_job(WORKER, VARIANTS, root, timeout_s=600)
-    print(f"actor worker: {reports[0]['timing_s']}")
-    return {"reports": reports, "r0": reports[0], "root": root, "out": out, "spec": spec}
+def job(actor_job) -> dict:
+    return actor_job
 
 
 def _close(a: float, b: float, tol: float = TOL) -> bool:

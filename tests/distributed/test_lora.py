@@ -8,6 +8,9 @@ with B = 0 (the initialisation) the pair equals the base layers exactly; the ada
 the same in every layout.
 """
 
+import typing
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -71,7 +74,7 @@ def _gpt_models() -> dict:
 
     from megatron_rl.actor.compat import cpu_shim
     from megatron_rl.models import adapter_for_config, padded_vocab_size
-    from megatron_rl.models.lora import TARGET_MODULES, LoRASettings, init_lora, with_lora
+    from megatron_rl.models.lora import LoRASettings, init_lora, with_lora
 
     adapter = adapter_for_config(QWEN2)
     vocab = padded_vocab_size(QWEN2["vocab_size"], tp_size=2)
@@ -81,7 +84,7 @@ def _gpt_models() -> dict:
     models = {}
     for name, layer_spec in (
         ("base", spec),
-        ("lora", with_lora(spec, LoRASettings(rank=4, alpha=8.0), TARGET_MODULES)),
+        ("lora", with_lora(spec, LoRASettings(rank=4, alpha=8.0))),
     ):
         models[name] = GPTModel(config=config, transformer_layer_spec=layer_spec, pre_process=True, post_process=True,
                                 **adapter.gpt_model_kwargs(QWEN2, padded_vocab_size=vocab))  # fmt: skip
@@ -219,21 +222,21 @@ def test_with_lora_puts_adapters_on_the_named_linears_of_the_layer_spec():
     )
 
     base = adapter_for_config(QWEN2).layer_spec(QWEN2, use_te=False)
-    lora = LoRASettings(rank=4, alpha=8.0)
-    spec = with_lora(base, lora, ("linear_qkv", "linear_fc2"))
+    lora = LoRASettings(rank=4, alpha=8.0, target_modules=("linear_qkv", "linear_fc2"))
+    spec = with_lora(base, lora)
     attn, mlp = (_submodules(b) for b in (spec.submodules.self_attention, spec.submodules.mlp))
     assert attn.linear_qkv.module is LoRAColumnParallelLinear and attn.linear_qkv.params["lora"] == lora
     assert mlp.linear_fc2.module is LoRARowParallelLinear
     assert attn.linear_proj is _submodules(base.submodules.self_attention).linear_proj  # not a target: untouched
     assert _submodules(base.submodules.self_attention).linear_qkv is ColumnParallelLinear  # the input is not changed
-    every = with_lora(base, lora, TARGET_MODULES)
+    every = with_lora(base, replace(lora, target_modules=TARGET_MODULES))
     assert _submodules(every.submodules.mlp).linear_fc1.module is LoRAColumnParallelLinear
     with pytest.raises(ValueError, match="unknown LoRA target modules"):
-        with_lora(base, lora, ("q_proj",))
-    fused = with_lora(base, lora, ())
+        with_lora(base, replace(lora, target_modules=("q_proj",)))
+    fused = with_lora(base, replace(lora, target_modules=()))
     _submodules(fused.submodules.self_attention).linear_qkv = ModuleSpec(module=torch.nn.Linear)
     with pytest.raises(ValueError, match="needs megatron's local linear layers"):
-        with_lora(fused, lora, ("linear_qkv",))
+        with_lora(fused, replace(lora, target_modules=("linear_qkv",)))
 
 
 def test_a_gpt_model_with_adapters_starts_as_the_base_model(layouts):
@@ -244,3 +247,72 @@ def test_a_gpt_model_with_adapters_starts_as_the_base_model(layouts):
     assert gpt["missing"] == gpt["trainable"] and len(gpt["trainable"]) == 16
     assert all(n.endswith((".lora_a", ".lora_b")) for n in gpt["trainable"])
     assert torch.equal(gpt["logits"]["lora"], gpt["logits"]["base"])
+
+
+# ----------------------------------------------------------------------------- the LoRA actor
+# tests/helpers/lora_actor_checks.py, inside the 4-rank actor job (tests/distributed/conftest.py):
+# a Qwen2 actor with rank-4 adapters on every linear, the base weights loaded, two RL steps.
+
+ACTOR_TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def lora_actor(actor_job) -> dict:
+    return actor_job["r0"]["lora"]
+
+
+def test_lora_actor_layouts_give_the_same_steps_and_merged_weights(lora_actor):
+    layouts = lora_actor["layouts"]
+    ref = layouts["tp1_pp1"]
+    for key, entry in layouts.items():
+        for step in ("step1", "step2"):
+            for name in ("loss/total", "actor/grad_norm"):
+                got, want = entry[step][name], ref[step][name]
+                assert abs(got - want) <= ACTOR_TOL * max(1.0, abs(want)), (key, step, name, got, want)
+            assert entry[step]["actor/step_skipped"] == 0.0
+        assert entry["merged_vs_tp1"] <= ACTOR_TOL, key
+        assert entry["logp_vs_tp1"] <= ACTOR_TOL, key
+        # The adapters trained (B left zero) and moved the policy well above the tolerance.
+        assert entry["adapter_b_abs_max"] > 1e-3 and entry["logp_moved"] > 100 * ACTOR_TOL, key
+
+
+def test_only_the_adapters_train_and_the_base_weights_stay_bit_identical(lora_actor):
+    for key, entry in lora_actor["layouts"].items():
+        # 2 layers x 4 linears x (A, B), every rank of every layout holds its shards of all.
+        assert entry["num_adapter_params"] in (16, 8), key  # PP = 2: one layer per stage
+        assert entry["trainable_are_adapters"] and entry["ddp_params_are_adapters"], key
+        assert entry["base_bit_identical"], key
+        assert entry["loaded_optimizer"] is False  # a base checkpoint: nothing of its optimizer fits
+
+
+def test_reference_with_adapters_off_is_the_initial_policy(lora_actor):
+    for key, entry in lora_actor["layouts"].items():
+        assert entry["reference_equals_actor_at_init"], key  # B = 0: the LoRA model is the base model
+        assert entry["reference_vs_initial"] == 0.0, key  # after training too: the base is frozen
+
+
+def test_the_merged_export_in_transformers_gives_the_lora_actors_logprobs(lora_actor):
+    assert lora_actor["merged_export_vs_actor"] <= 1e-4
+
+
+def test_lora_checkpoints_resume_exactly_reshard_and_are_refused_without_adapters(lora_actor):
+    from megatron_rl.config.trainer import LoRATarget
+
+    resume = lora_actor["resume"]
+    assert resume["loaded_optimizer"] is True
+    assert resume["lora_record"] == {"rank": 4, "alpha": 8.0, "target_modules": list(typing.get_args(LoRATarget))}
+    for name in ("loss/total", "actor/grad_norm"):
+        assert resume["step2"][name] == resume["step2_continuous"][name], name
+    assert resume["merged_bit_identical"]
+    reshard = lora_actor["reshard_tp2_to_tp1"]
+    assert reshard["logp_vs_saved"] <= ACTOR_TOL
+    assert reshard["refusal"] is not None and "holds LoRA adapters" in reshard["refusal"]
+
+
+
+def test_the_config_names_the_linears_the_layer_spec_knows():
+    from megatron_rl.config.trainer import LoRAConfig, LoRATarget
+    from megatron_rl.models.lora import TARGET_MODULES
+
+    assert typing.get_args(LoRATarget) == TARGET_MODULES
+    assert tuple(LoRAConfig().target_modules) == TARGET_MODULES

@@ -1,7 +1,8 @@
 """The trainer end to end with the actor's alternative paths: the fused lm-head loss and the
 materialised-logits loss give the same 3-step run, and so do a resident and an offloaded
-reference policy (KL term on). The default-path runs are the session's shared ones
-(``tiny_run``), which other modules compare against too."""
+reference policy (KL term on); a LoRA run (``actor.lora``) starts as the full-parameter
+one and its engines follow the merged policy. The default-path runs are the session's
+shared ones (``tiny_run``), which other modules compare against too."""
 
 from __future__ import annotations
 
@@ -34,3 +35,19 @@ def test_offloaded_reference_gives_the_same_run(tiny_run):
     _same(resident, offloaded, (*COMPARED, "loss/ref_kl"), rel=0.0)
     assert resident[1]["loss/ref_kl"] == pytest.approx(0.0, abs=1e-6)  # the reference starts as the actor
     assert resident[3]["loss/ref_kl"] > 0.0  # and stays where it was while the actor moves
+
+
+def test_a_lora_run_starts_at_the_base_model_and_its_engines_follow_the_merged_policy(tiny_run):
+    """``actor.lora`` on the KL run: B = 0 makes step 1 the full-parameter run's step 1 (same
+    rollouts, same loss); the reference is the actor with its adapters off (KL 0 at the
+    start, growing as the adapters train); the engines generate with the merged weights
+    (the actor's recomputed log-probs match theirs while the policy moves away from the base)."""
+    full = tiny_run(*KL_RUN).rows
+    lora = tiny_run(*KL_RUN, "actor.lora.rank=8").rows
+    assert sorted(lora) == [1, 2, 3]
+    for key in ("rollout/reward/mean", "loss/total", "loss/approx_kl"):
+        assert lora[1][key] == pytest.approx(full[1][key], rel=1e-6, abs=1e-7), key
+    assert lora[1]["loss/ref_kl"] == pytest.approx(0.0, abs=1e-6)
+    assert lora[3]["loss/ref_kl"] > 1e-5
+    assert lora[3]["actor/grad_norm"] != pytest.approx(full[3]["actor/grad_norm"], rel=1e-3)  # other parameters train
+    assert max(r["rollout/logp_mismatch/max_abs"] for r in lora.values()) <= 1e-5

@@ -115,12 +115,15 @@ def run(spec: dict, out_dir: Path) -> dict:
     report: dict = {"layouts": {}, "timing_s": {}}
     first, second = algorithms()
 
-    def build(variant: str, tp: int, pp: int, *, max_tokens: int = 64, model=None) -> MegatronActor:
+    def build(variant: str, tp: int, pp: int, *, max_tokens: int = 64, model=None, actor=None,
+              sequence_parallel: bool = False) -> MegatronActor:  # fmt: skip
         actor_spec = ActorSpec(
             architecture=spec["variants"][variant]["hf_dir"],
             parallel=ParallelConfig(
-                num_actor_ranks=dist.get_world_size(), tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp
+                num_actor_ranks=dist.get_world_size(), tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                sequence_parallel=sequence_parallel,
             ),
+            **({} if actor is None else {"actor": actor}),
             trainer=TrainerConfig(
                 lr=1e-3,
                 # Adam divides by sqrt(v) + eps: with a tiny eps, gradients that are zero in exact
@@ -324,6 +327,14 @@ def run(spec: dict, out_dir: Path) -> dict:
         "dtype": str(after["lm_head.weight"].dtype),
         "weights_changed": max_diff(before, after),
     }
+
+    # --- LoRA adapters on the same base model (tests/distributed/test_lora.py).
+    from tests.helpers.lora_actor_checks import run_lora_checks
+
+    report["lora"] = run_lora_checks(
+        build=build, base=base, rl_batch=rl_batch, algorithms=(first, second), variant_paths=spec["variants"]["qwen2_gqa"],
+        work=work, hf_reference=hf_reference, hf_weights=hf_weights, max_diff=max_diff, temperature=TEMPERATURE,
+    )  # fmt: skip
     return report
 
 

@@ -209,6 +209,15 @@ def test_switch_to_hf_config_by_override(tmp_path):
         (["logging.run_name=a/b"], "logging.run_name", "path separators"),
         (["logging.wandb_mode=on"], "logging.wandb_mode", "'offline'"),
         (["algorithm.lopti.eta=1"], "algorithm.lopti.eta", "(0.0, 1.0)"),
+        (["actor.lora.rank=0"], "actor.lora.rank", "got 0"),
+        (["actor.lora.dropout=1"], "actor.lora.dropout", "got 1.0"),
+        (["actor.lora.target_modules=[]"], "actor.lora.target_modules", "non-empty"),
+        (["actor.lora.target_modules=[linear_qkv,linear_qkv]"], "actor.lora.target_modules", "distinct"),
+        (["actor.lora.target_modules=[q_proj]"], "actor.lora.target_modules[0]", "'linear_qkv'"),
+        (["actor.lora.rank=8", "model.use_te=true"], "actor.lora", "model.use_te false or null"),
+        (["actor.lora.rank=8", "actor.reference_offload=true"], "actor.reference_offload", "adapters off"),
+        (["actor.lora.rank=8", "model.tiny.model_type=qwen3_moe", "model.tiny.num_experts=4"], "actor.lora.target_modules",
+         "experts take no adapters"),
     ],
 )
 def test_section_checks_name_the_full_path(tmp_path, overrides, path, text):

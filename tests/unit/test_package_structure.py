@@ -130,7 +130,7 @@ _NOT_SETTINGS_PACKAGES = ("megatron_rl.ops", "megatron_rl.models", "megatron_rl.
 # The same word naming different settings, each with its reason. Anything else declared
 # in two classes is a copy and fails the test.
 HOMONYMS = {
-    "alpha": "ar.alpha and tr_grpo.alpha are each paper's own constant",
+    "alpha": "ar.alpha and tr_grpo.alpha are each paper's own constant; actor.lora.alpha scales the adapters",
     "enabled": "the on/off switch of each token-weight method (lopti, tr_grpo, stapo)",
     "placement": "rollout.placement (where engines run) vs tr_grpo.placement (where the weight applies)",
     "dtype": "model.dtype (the actor's precision) vs the HF engine's own engine_args.dtype",

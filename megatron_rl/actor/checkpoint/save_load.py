@@ -355,6 +355,22 @@ def load_checkpoint(
                 *_model_layout(saved_layout), sharding, *_model_layout(here)
             )
         )
+    from megatron_rl.models.lora import ADAPTER_SUFFIXES
+
+    with cpu_shim.cuda_to_cpu():
+        model_sd = model.sharded_state_dict()
+    adapters = sorted(k for k in model_sd if k.endswith(ADAPTER_SUFFIXES))
+    base_only = bool(adapters) and not record.get("lora")
+    if record.get("lora") and not adapters:
+        raise ValueError(f"checkpoint {path} holds LoRA adapters ({record['lora']}) and this model has none "
+                         "(set actor.lora as the run that wrote it did)")  # fmt: skip
+    if base_only:
+        # A base model's weights (a converted or full-parameter checkpoint) into a LoRA model:
+        # the adapters keep their initialisation, and the saved optimizer state (if any) is
+        # of other parameters.
+        for key in adapters:
+            model_sd.pop(key)
+        why_not = why_not or "it holds no LoRA adapters (a base model's weights): this model's adapters start fresh"
     if load_optimizer is None:
         load_optimizer = optimizer is not None and sharding is not None and why_not is None
         if sharding is not None and why_not is not None and dist.get_rank() == 0:
@@ -367,7 +383,7 @@ def load_checkpoint(
         raise ValueError(f"cannot load optimizer state from {path}: {reason}")
 
     with cpu_shim.cuda_to_cpu():
-        state = {"model": model.sharded_state_dict()}
+        state = {"model": model_sd}
         if load_optimizer:
             init_adam_state(optimizer)
             state["optimizer"] = optimizer.sharded_state_dict(
@@ -378,7 +394,10 @@ def load_checkpoint(
     with cpu_shim.cuda_to_cpu(), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*load_state_dict.*deprecated", category=FutureWarning)
         loaded = dist_checkpointing.load(state, str(path))
-    model.load_state_dict(loaded["model"])
+    missing, unexpected = model.load_state_dict(loaded["model"], strict=False)
+    missing = [k for k in missing if not (base_only and k.endswith(ADAPTER_SUFFIXES))]
+    if missing or unexpected:
+        raise RuntimeError(f"checkpoint {path} does not fit the model: missing {missing[:3]}, unexpected {unexpected[:3]}")
     if optimizer is not None:
         with torch.no_grad(), cpu_shim.cuda_to_cpu():
             if load_optimizer:
