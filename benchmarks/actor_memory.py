@@ -38,7 +38,7 @@ QWEN25_VOCAB = 151_936
 DEFAULT_CASE = {
     "hidden": 512, "ffn": 1408, "layers": 2, "heads": 8, "kv_heads": 2, "vocab": QWEN25_VOCAB, "tie": False,
     "tp": 1, "pp": 1, "sp": False, "dtype": "float32", "loss_impl": "fused_linear", "recompute": "none",
-    "seq_len": 512, "seqs": 4, "reference": "none", "chunk_tokens": None, "warmup_steps": 1,
+    "seq_len": 512, "seqs": 4, "reference": "none", "chunk_tokens": None, "warmup_steps": 1, "lora_rank": 0,
 }  # fmt: skip
 
 
@@ -114,9 +114,10 @@ def spec_of(case: dict, world: int):
     from megatron_rl.config.model import ModelOptions
     from megatron_rl.config.parallel import ParallelConfig
     from megatron_rl.config.rollout import RolloutConfig
-    from megatron_rl.config.trainer import ActorConfig, TrainerConfig
+    from megatron_rl.config.trainer import ActorConfig, LoRAConfig, TrainerConfig
 
     tokens = case["seq_len"] * case["seqs"]
+    lora = LoRAConfig(rank=case["lora_rank"]) if case.get("lora_rank") else None
     return ActorSpec(
         architecture=hf_config(case),
         model=ModelOptions(dtype=case["dtype"]),
@@ -124,7 +125,8 @@ def spec_of(case: dict, world: int):
                                 pipeline_model_parallel_size=case["pp"], sequence_parallel=case["sp"]),
         trainer=TrainerConfig(lr=1e-6, max_tokens_per_microbatch=tokens),
         actor=ActorConfig(loss_impl=case["loss_impl"], recompute_granularity=case["recompute"],
-                          reference_offload=case["reference"] == "offloaded", logits_chunk_tokens=case["chunk_tokens"]),
+                          reference_offload=case["reference"] == "offloaded", logits_chunk_tokens=case["chunk_tokens"],
+                          lora=lora),
         algorithm=AlgorithmConfig(kl_coef=0.001 if case["reference"] != "none" else 0.0),
         rollout=RolloutConfig(num_prompts_per_step=case["seqs"], num_samples_per_prompt=world // (case["tp"] * case["pp"]),
                               max_prompt_tokens=16, max_new_tokens=case["seq_len"] - 16),

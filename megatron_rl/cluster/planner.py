@@ -34,7 +34,8 @@ s / t`` more; none with Transformer Engine, nor with selective recompute). ``ful
 recompute keeps only each layer's input plus one recompute unit's activations. A
 mixture-of-experts MLP replaces ``5F / t`` (:func:`moe_bytes_per_token`, fitted the same
 way at three MoE shapes); its experts' parameters are split over EP and their optimizer
-state sharded over DP / EP. The
+state sharded over DP / EP. With LoRA (``actor.lora``) gradients and optimizer state are
+the adapters' (:func:`lora_parameters`) and a reference policy costs nothing. The
 planner is checked against measured peaks of real train steps on CPU, at the second
 step, whose forward-backward runs with Adam's moments resident as every later step's
 does (``tests/distributed/test_planner.py``: the plan covers the live peak, at most 25%
@@ -52,10 +53,10 @@ from megatron_rl.config.lib import ConfigError
 from megatron_rl.config.model import ModelConfig, ModelOptions
 from megatron_rl.config.parallel import ParallelConfig
 from megatron_rl.config.rollout import RolloutConfig
-from megatron_rl.config.trainer import ActorConfig, TrainerConfig
+from megatron_rl.config.trainer import ActorConfig, LoRAConfig, TrainerConfig
 from megatron_rl.ops.vocab_parallel import chunk_budget_bytes
 
-__all__ = ["Architecture", "MemoryPlan", "plan_memory"]
+__all__ = ["Architecture", "MemoryPlan", "lora_parameters", "plan_memory"]
 
 GIB = 1 << 30
 # Components live only during the forward-backward pass (the rest is resident, except the
@@ -214,6 +215,21 @@ def stage_parameters(arch: Architecture, *, tp: int, pp: int, stage: int, divisi
     return params
 
 
+def lora_parameters(arch: Architecture, lora: LoRAConfig, *, tp: int, pp: int) -> int:
+    """The LoRA adapters' parameters on one rank of a pipeline stage (``models.lora``): a
+    column-parallel linear ``[in -> out]`` holds A ``[r, in]`` whole and its ``out / TP``
+    rows of B, a row-parallel one its ``in / TP`` columns of A and B ``[out, r]`` whole."""
+    h, r = arch.hidden_size, lora.rank
+    qkv, q = (arch.num_attention_heads + 2 * arch.num_query_groups) * arch.head_dim, arch.num_attention_heads * arch.head_dim
+    per_target = {
+        "linear_qkv": r * h + qkv // tp * r,  # column-parallel
+        "linear_proj": r * (q // tp) + h * r,  # row-parallel
+        "linear_fc1": r * h + 2 * arch.ffn_hidden_size // tp * r,  # column-parallel, [gate; up]
+        "linear_fc2": r * (arch.ffn_hidden_size // tp) + h * r,  # row-parallel
+    }
+    return arch.num_layers // pp * sum(per_target[name] for name in lora.target_modules)
+
+
 def stage_expert_parameters(arch: Architecture, *, tp: int, pp: int, ep: int) -> int:
     """The routed experts' parameters on one rank (``E / ep`` experts of each of its
     stage's layers, each SwiGLU ``3 H F_e`` split over TP); 0 for a dense model."""
@@ -285,19 +301,23 @@ def plan_memory(
         experts = stage_expert_parameters(arch, tp=tp, pp=pp, ep=ep)
         plan = MemoryPlan(gpu_memory_bytes=gpu_memory_bytes, stage=stage)
         c = plan.components
-        c["parameters"] = params * a
-        c["gradients"] = params * 4  # megatron DDP reduces gradients in a float32 buffer
+        # With LoRA only the adapters train (the frozen base has no gradient, no optimizer state).
+        adapters = 0 if actor.lora is None else lora_parameters(arch, actor.lora, tp=tp, pp=pp)
+        trained, trained_experts = (params, experts) if actor.lora is None else (adapters, 0)
+        c["parameters"] = (params + adapters) * a
+        c["gradients"] = trained * 4  # megatron DDP reduces gradients in a float32 buffer
         optimizer_per_param = 8 + (4 if a == 2 else 0)  # Adam moments (+ float32 master weights)
         # The distributed optimizer shards the dense parameters' state over DP and the
         # experts' over the expert-data-parallel group (DP / EP: the ranks holding the same experts).
         shards = dp if actor.use_distributed_optimizer else 1
         expert_shards = max(1, dp // ep) if actor.use_distributed_optimizer else 1
-        c["optimizer_state"] = (params - experts) * optimizer_per_param // shards + experts * optimizer_per_param // expert_shards
+        dense = trained - trained_experts
+        c["optimizer_state"] = dense * optimizer_per_param // shards + trained_experts * optimizer_per_param // expert_shards
         # torch's AdamW as a loop or foreach kernels (actor.optimizer_kernel) works through
         # float32 temporaries as large as the parameters it updates (with the distributed
         # optimizer, its shard); the fused kernels (torch's, TE's, Apex's) update in place.
         fused_adam = actor.optimizer_kernel in ("auto", "fused")
-        c["optimizer_step_temporaries"] = 0 if fused_adam else (params - experts) * 4 // shards + experts * 4 // expert_shards
+        c["optimizer_step_temporaries"] = 0 if fused_adam else dense * 4 // shards + trained_experts * 4 // expert_shards
         layers = arch.num_layers // pp
         per_token = activation_bytes_per_token_layer(
             arch, tp=tp, sequence_parallel=parallel.sequence_parallel, seq_len=seq_len, flash=flash,
@@ -341,8 +361,18 @@ def plan_memory(
         largest = vocab_rows * arch.hidden_size if stage in (0, pp - 1) else (
             arch.hidden_size * max(_mlp_fc1_rows(arch), (arch.num_attention_heads + 2 * arch.num_query_groups)
                                    * arch.head_dim) // tp)  # fmt: skip
+        if actor.lora is not None:
+            # Frozen weights get no gradient (the adapters' are r x in or out x r), so the
+            # backward's largest transient is the MLP's: the gradient of fc1's output and the
+            # SwiGLU's of the same width, plus that of its input (measured on CPU:
+            # tests/distributed/test_planner.py's LoRA case; hidden, under full-parameter
+            # training, by the output layer's weight gradient).
+            adapter_grad = actor.lora.rank * max(arch.hidden_size, _mlp_fc1_rows(arch), arch.num_attention_heads * arch.head_dim)
+            activation_grads = tokens * (2 * _mlp_fc1_rows(arch) // tp + arch.hidden_size)
+            largest = max(adapter_grad, activation_grads)
         c["backward_temporaries"] = largest * a
-        c["reference_policy"] = params * a if resident_ref else 0
+        # With LoRA the reference is the actor with its adapters off: no copy.
+        c["reference_policy"] = params * a if resident_ref and actor.lora is None else 0
         engines = _colocated_engine_bytes(rollout, gpu_memory_bytes, use_cuda=use_te or gpu_memory_bytes is not None)
         if rollout.placement == "colocated" and rollout.engine == "hf" and str(rollout.engine_args.get("device", "")).startswith("cuda"):
             engines += _engine_weight_bytes(arch, model, rollout)  # the built-in engine holds the whole model
@@ -376,6 +406,13 @@ def plan_memory(
             f"mixture of experts: {total / 1e9:.2f}B parameters, {active / 1e9:.2f}B active per token "
             f"({arch.moe_topk} of {arch.num_experts} experts); expert activations per token: "
             "fitted on CPU at TP 1 (moe_bytes_per_token), not measured on a GPU"
+        )
+    if actor.lora is not None:
+        per_rank = lora_parameters(arch, actor.lora, tp=tp, pp=pp)
+        best.notes.append(
+            f"LoRA rank {actor.lora.rank} on {', '.join(actor.lora.target_modules)}: {per_rank / 1e6:.2f}M trainable "
+            "parameters per rank (the gradients and optimizer state); the base model is frozen, and a reference "
+            "policy is the actor with its adapters off (no copy)"
         )
     if rollout.placement == "colocated":
         best.notes.append("generation: the actor keeps only its weights on the GPU (gradients, optimizer state and "

@@ -8,8 +8,10 @@ with B = 0 (the initialisation) the pair equals the base layers exactly; the ada
 the same in every layout.
 """
 
+import json
 import typing
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -276,8 +278,17 @@ def test_lora_actor_layouts_give_the_same_steps_and_merged_weights(lora_actor):
         assert entry["adapter_b_abs_max"] > 1e-3 and entry["logp_moved"] > 100 * ACTOR_TOL, key
 
 
-def test_only_the_adapters_train_and_the_base_weights_stay_bit_identical(lora_actor):
+def test_only_the_adapters_train_and_the_base_weights_stay_bit_identical(lora_actor, actor_job):
+    from megatron_rl.cluster.planner import Architecture, lora_parameters
+    from megatron_rl.config.trainer import LoRAConfig
+
+    arch = Architecture.from_hf_config(
+        json.loads((Path(actor_job["spec"]["variants"]["qwen2_gqa"]["hf_dir"]) / "config.json").read_text())
+    )
     for key, entry in lora_actor["layouts"].items():
+        tp, pp = int(key[2]), int(key[6])
+        # The planner's count of a rank's adapter parameters is the model's.
+        assert entry["adapter_elements"] == lora_parameters(arch, LoRAConfig(rank=4), tp=tp, pp=pp), key
         # 2 layers x 4 linears x (A, B), every rank of every layout holds its shards of all.
         assert entry["num_adapter_params"] in (16, 8), key  # PP = 2: one layer per stage
         assert entry["trainable_are_adapters"] and entry["ddp_params_are_adapters"], key

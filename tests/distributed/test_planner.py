@@ -45,6 +45,8 @@ CASES = {
     "pp2_selective_recompute": {"pp": 2, "recompute": "selective", "seq_len": 512},
     # a mixture of experts (Qwen3-MoE: 8 experts of width 512, 2 per token)
     "tp1_moe": {"experts": 8, "expert_ffn": 512, "topk": 2},
+    # LoRA rank 16 on every linear: gradients and Adam state of the adapters only
+    "tp1_lora": {"lora_rank": 16},
 }
 
 

@@ -54,6 +54,7 @@ def run_lora_checks(*, build, base, rl_batch, algorithms, variant_paths, work: P
         entry = {
             "loaded_optimizer": loaded["loaded_optimizer"],
             "num_adapter_params": len(adapters),
+            "adapter_elements": sum(p.numel() for p in model.parameters() if id(p) in adapters),
             "trainable_are_adapters": {id(p) for p in model.parameters() if p.requires_grad} == adapters,
             "ddp_params_are_adapters": in_ddp == adapters,
             "reference_equals_actor_at_init": bool(
