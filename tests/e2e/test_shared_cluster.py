@@ -149,7 +149,7 @@ def test_a_dead_actor_rank_is_one_error_line_and_its_clean_up_goes_to_the_log(tm
 
 def test_a_hung_actor_rank_ends_the_run_after_the_call_timeout_naming_it(tmp_path):
     run_dir = tmp_path / "tiny_cpu"
-    run = _cli(tmp_path, "trainer.num_steps=400", "actor.call_timeout_s=45")
+    run = _cli(tmp_path, "trainer.num_steps=400", "actor.call_timeout_s=25")
     wait_for_steps(run, run_dir, 2)
     tree = descendants({run.pid})
     actor = next(pid for pid in tree if cmdline(pid).startswith("ray::ActorWorker"))
@@ -163,7 +163,7 @@ def test_a_hung_actor_rank_ends_the_run_after_the_call_timeout_naming_it(tmp_pat
     assert run.returncode == 1, out
     errors = [line for line in out.splitlines() if line.startswith("error:")]
     assert len(errors) == 1, out
-    assert "actor rank(s) [0] did not finish" in errors[0] and "within 45 s (actor.call_timeout_s)" in errors[0]
+    assert "actor rank(s) [0] did not finish" in errors[0] and "within 25 s (actor.call_timeout_s)" in errors[0]
     assert "Traceback" not in out and time.monotonic() - stopped < 150, out
     assert not wait_tree_gone(tree)
 
