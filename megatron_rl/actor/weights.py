@@ -83,9 +83,11 @@ def global_parameters(
         for prefix, module in model.named_modules()
         if hasattr(module, "local_expert_indices") and hasattr(module, "experts")
     }
+    from megatron_rl.models.lora import ADAPTER_SUFFIXES
+
     # LoRA linears (models.lora): their adapter parameters are not base weights.
     adapted = {name: module for name, module in model.named_modules() if hasattr(module, "merged_weight")}
-    adapter_params = {f"{name}.{p}" for name in adapted for p in ("lora_a", "lora_b")}
+    adapter_params = {name + suffix for name in adapted for suffix in ADAPTER_SUFFIXES}
     out = _MergedAdapters() if merge_adapters else {}
     for name, param in model.named_parameters():
         if name in adapter_params:

@@ -296,13 +296,14 @@ def plan_memory(
     flash = use_te
     best: MemoryPlan | None = None
     generation = 0
+    # With LoRA only the adapters train (the frozen base has no gradient, no optimizer state);
+    # every stage holds the same number of layers, so the same adapters.
+    adapters = 0 if actor.lora is None else lora_parameters(arch, actor.lora, tp=tp, pp=pp)
     for stage in range(pp):
         params = stage_parameters(arch, tp=tp, pp=pp, stage=stage, divisible_by=model.make_vocab_size_divisible_by, ep=ep)
         experts = stage_expert_parameters(arch, tp=tp, pp=pp, ep=ep)
         plan = MemoryPlan(gpu_memory_bytes=gpu_memory_bytes, stage=stage)
         c = plan.components
-        # With LoRA only the adapters train (the frozen base has no gradient, no optimizer state).
-        adapters = 0 if actor.lora is None else lora_parameters(arch, actor.lora, tp=tp, pp=pp)
         trained, trained_experts = (params, experts) if actor.lora is None else (adapters, 0)
         c["parameters"] = (params + adapters) * a
         c["gradients"] = trained * 4  # megatron DDP reduces gradients in a float32 buffer
@@ -408,9 +409,8 @@ def plan_memory(
             "fitted on CPU at TP 1 (moe_bytes_per_token), not measured on a GPU"
         )
     if actor.lora is not None:
-        per_rank = lora_parameters(arch, actor.lora, tp=tp, pp=pp)
         best.notes.append(
-            f"LoRA rank {actor.lora.rank} on {', '.join(actor.lora.target_modules)}: {per_rank / 1e6:.2f}M trainable "
+            f"LoRA rank {actor.lora.rank} on {', '.join(actor.lora.target_modules)}: {adapters / 1e6:.2f}M trainable "
             "parameters per rank (the gradients and optimizer state); the base model is frozen, and a reference "
             "policy is the actor with its adapters off (no copy)"
         )

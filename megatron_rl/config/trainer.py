@@ -202,9 +202,7 @@ class LoRAConfig:
     dropout: float = 0.0
     """Dropout on the adapters' input in training forwards (log-prob passes use none)."""
 
-    target_modules: list[LoRATarget] = field(
-        default_factory=lambda: ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
-    )
+    target_modules: list[LoRATarget] = field(default_factory=lambda: list(LoRATarget.__args__))
     """Which linear layers of every decoder layer carry an adapter (megatron's names:
     ``linear_qkv`` = q/k/v_proj, ``linear_proj`` = o_proj, ``linear_fc1`` = gate/up_proj,
     ``linear_fc2`` = down_proj). A mixture-of-experts model's experts take none: target

@@ -309,8 +309,6 @@ def lora_modules(model_chunks: Iterable[torch.nn.Module]) -> list[torch.nn.Modul
     return [m for chunk in model_chunks for m in chunk.modules() if isinstance(m, _LoRAMixin)]
 
 
-
-
 @contextlib.contextmanager
 def adapters_off(model_chunks: Iterable[torch.nn.Module]) -> Iterator[None]:
     """Run ``model_chunks`` as the base model: every adapted linear computes ``W x`` alone

@@ -32,6 +32,7 @@ def run_lora_checks(*, build, base, rl_batch, algorithms, variant_paths, work: P
     from megatron_rl.actor.reference import AdaptersOffReference
     from megatron_rl.actor.weights import global_parameters
     from megatron_rl.config.trainer import ActorConfig, LoRAConfig
+    from megatron_rl.models.lora import ADAPTER_SUFFIXES
 
     first, second = algorithms
     lora = ActorConfig(lora=LoRAConfig(rank=RANK, alpha=ALPHA))
@@ -46,7 +47,7 @@ def run_lora_checks(*, build, base, rl_batch, algorithms, variant_paths, work: P
         else:
             loaded = actor.load_checkpoint(variant_paths["mcore_dir"])
         model = actor.model
-        adapters = {id(p) for name, p in model.named_parameters() if name.endswith((".lora_a", ".lora_b"))}
+        adapters = {id(p) for name, p in model.named_parameters() if name.endswith(ADAPTER_SUFFIXES)}
         in_ddp = {id(p) for b in actor.ddp.buffers + actor.ddp.expert_parallel_buffers for p in b.params}
         base_before = {n: p.detach().clone() for n, p in global_parameters(model, actor.adapter).items()}
         logp0 = actor.compute_logprobs(base, temperature=temperature).logp
