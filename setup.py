@@ -53,6 +53,8 @@ EXTRAS_REQUIRE = {
         # The fused loss's Triton kernels run under Triton's interpreter on CPU machines
         # (tests/unit/test_triton_kernels.py); CUDA torch wheels bring their own Triton.
         "triton>=3.4,<4",
+        # A LoRA checkpoint's PEFT export is loaded by peft itself (tests/distributed/test_lora.py).
+        "peft>=0.21,<0.22",
     ],
 }
 

@@ -5,11 +5,14 @@
     megatron-rl convert hf-to-mcore --hf /ckpt/Qwen2.5-7B-Instruct --out /ckpt/q7b-mcore --tp 4 --pp 1
     megatron-rl convert hf-to-mcore --hf /ckpt/Qwen3-30B-A3B --out /ckpt/q30b-mcore --tp 2 --ep 8
     megatron-rl convert mcore-to-hf --mcore /ckpt/q7b-mcore --out /ckpt/q7b-hf [--hf-config DIR]
+    megatron-rl convert mcore-to-hf --mcore RUN/checkpoints/step_000100 --out merged/ --peft-out adapter/
 
 The command line over :mod:`megatron_rl.models.convert.hf_mcore` (which the module doc there
 explains: layouts, streaming, atomic output). ``--tp`` only chooses the vocabulary padding
 and, with ``--pp`` and ``--ep``, what the model's head, group, layer and expert counts are
-checked against: the checkpoint loads at any TP/PP/EP. ``tools/convert_hf_to_mcore.py`` and
+checked against: the checkpoint loads at any TP/PP/EP. A LoRA run's checkpoint converts with
+its adapters merged into the weights (``--out``) and/or as a PEFT adapter (``--peft-out``),
+from the settings its ``actor_state.json`` records. ``tools/convert_hf_to_mcore.py`` and
 ``tools/convert_mcore_to_hf.py`` reuse the argument helpers here. Bad input is exit code 1
 with ``error: ...`` (naming the file and tensor) on stderr, and so is a full disk (the
 partial output is removed); a :class:`~megatron_rl.models.convert.hf_mcore.ConversionWarning` (e.g.
@@ -25,7 +28,7 @@ from pathlib import Path
 
 from megatron_rl.cli import EXIT_FAILURE, EXIT_OK
 
-__all__ = ["add_arguments", "add_hf_to_mcore_arguments", "add_mcore_to_hf_arguments", "main", "parse_size", "run"]
+__all__ = ["add_arguments", "add_hf_to_mcore_arguments", "add_mcore_to_hf_arguments", "main", "parse_size", "recorded_lora", "run"]
 
 
 def parse_size(text: str) -> int:
@@ -75,7 +78,16 @@ def add_hf_to_mcore_arguments(parser: argparse.ArgumentParser) -> None:
 def add_mcore_to_hf_arguments(parser: argparse.ArgumentParser) -> None:
     """Arguments of ``mcore-to-hf`` (also used by tools/convert_mcore_to_hf.py)."""
     parser.add_argument("--mcore", required=True, type=Path, help="megatron-core torch_dist checkpoint directory")
-    parser.add_argument("--out", required=True, type=Path, help="output directory (must not exist or be empty)")
+    parser.add_argument(
+        "--out", type=Path, default=None,
+        help="output directory of the HF model, a LoRA checkpoint's adapters merged (must not exist or be empty; "
+        "optional with --peft-out)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--peft-out", type=Path, default=None,
+        help="output directory of a LoRA checkpoint's adapters in PEFT's format (adapter_config.json + "
+        "adapter_model.safetensors; must not exist or be empty)",
+    )  # fmt: skip
     parser.add_argument(
         "--hf-config",
         type=Path,
@@ -120,6 +132,8 @@ def run(args: argparse.Namespace) -> int:
         f"{args.convert_direction}: wrote {summary.num_tensors} tensors ({summary.tensor_bytes / 2**30:.2f} GiB) "
         f"of a {summary.model_type} model to {summary.out_dir} in {summary.seconds:.1f} s"
     )
+    if getattr(args, "peft_out", None) is not None and getattr(args, "out", None) is not None:
+        print(f"{args.convert_direction}: wrote the LoRA adapters in PEFT's format to {args.peft_out.absolute()}")
     return EXIT_OK
 
 
@@ -151,6 +165,8 @@ def _convert(args: argparse.Namespace):
                 McoreToHfOptions(
                     mcore_dir=args.mcore,
                     out_dir=args.out,
+                    peft_dir=args.peft_out,
+                    lora=recorded_lora(args.mcore),
                     hf_config_dir=args.hf_config,
                     max_shard_bytes=args.max_shard_size,
                     dtype=args.dtype,
@@ -162,6 +178,26 @@ def _convert(args: argparse.Namespace):
         print(f"error: {e}", file=sys.stderr)
         return EXIT_FAILURE, None
     return EXIT_OK, summary
+
+
+def recorded_lora(mcore_dir: Path):
+    """The LoRA adapters a training checkpoint records in its ``actor_state.json`` (None: none,
+    or a converted checkpoint without the file)."""
+    import json
+
+    from megatron_rl.models.convert.lora_export import LoRAExport
+    from megatron_rl.models.weight_units import ConversionError
+    from megatron_rl.storage.checkpoints import STATE_FILE
+
+    path = Path(mcore_dir) / STATE_FILE
+    if not path.is_file():
+        return None
+    try:
+        lora = json.loads(path.read_text()).get("lora")
+        return None if lora is None else LoRAExport(rank=int(lora["rank"]), alpha=float(lora["alpha"]),
+                                                    target_modules=tuple(lora["target_modules"]))  # fmt: skip
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ConversionError(f"{path}: cannot read its 'lora' record: {type(e).__name__}: {e}") from None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -377,7 +377,10 @@ def test_mcore_config_mismatch(hf_dirs, mcore_dirs, tmp_path):
     wide = _config_dir(tmp_path, hf_dirs["llama"], "wide", intermediate_size=128)
     with pytest.raises(ConversionError, match=r"'decoder.layers.mlp.linear_fc1.weight' in .*__0_\d+.distcp has shape"):
         mcore_to_hf(McoreToHfOptions(mcore_dir=mcore_dirs["llama", 1, 1], out_dir=tmp_path / "d", hf_config_dir=wide))
-    for name in "abcd":
+    # A PEFT export of a checkpoint without adapters (they come with a LoRA run's checkpoints).
+    with pytest.raises(ConversionError, match=r"--peft-out: checkpoint .* holds no LoRA adapters"):
+        mcore_to_hf(McoreToHfOptions(mcore_dir=mcore_dirs["llama", 1, 1], out_dir=tmp_path / "e", peft_dir=tmp_path / "f"))
+    for name in "abcdef":
         _assert_no_output(tmp_path / name)
 
 

@@ -327,3 +327,19 @@ def test_the_config_names_the_linears_the_layer_spec_knows():
 
     assert typing.get_args(LoRATarget) == TARGET_MODULES
     assert tuple(LoRAConfig().target_modules) == TARGET_MODULES
+
+
+def test_convert_writes_the_merged_model_and_a_peft_adapter_that_reproduce_the_actor(lora_actor):
+    """``megatron-rl convert mcore-to-hf --out M --peft-out P`` of the TP=2 LoRA checkpoint: M in
+    transformers and P loaded by ``peft`` over the HF base model give the actor's log-probs at
+    that checkpoint; M's adapted projections are the base weights plus ``(alpha / r) B A`` of
+    P's tensors, every other tensor the base's bit for bit."""
+    convert = lora_actor["convert"]
+    assert convert["exit"] == 0, convert["output"]
+    assert convert["merged_vs_actor"] <= ACTOR_TOL and convert["peft_vs_actor"] <= ACTOR_TOL, convert
+    config = convert["peft_config"]
+    assert (config["peft_type"], config["r"], config["lora_alpha"], config["task_type"]) == ("LORA", 4, 8.0, "CAUSAL_LM")
+    projections = ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
+    assert config["target_modules"] == projections
+    assert convert["adapted_projections"] == 2 * len(projections) and convert["peft_tensors"] == 4 * len(projections)
+    assert convert["merged_vs_base_plus_ba"] <= 1e-6 and convert["unadapted_equal"], convert

@@ -55,12 +55,14 @@ def algorithms():
     return first, second
 
 
-def hf_reference(hf_dir: str, batch) -> tuple:
-    """transformers log-probs / entropies at TEMPERATURE, input-aligned like the actor's."""
+def hf_reference(hf_dir: str | None, batch, *, model=None) -> tuple:
+    """transformers log-probs / entropies at TEMPERATURE, input-aligned like the actor's (of the
+    model in ``hf_dir``, or of ``model``: e.g. a PEFT model over one)."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager")
+    if model is None:
+        model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager")
     with torch.no_grad():
         logits = model(batch.input_ids, attention_mask=batch.attention_mask).logits.double() / TEMPERATURE
     logprobs = torch.log_softmax(logits, dim=-1)

@@ -99,6 +99,7 @@ def run_lora_checks(*, build, base, rl_batch, algorithms, variant_paths, work: P
         real = base.attention_mask.bool().clone()
         real[:, 0] = False
         report["merged_export_vs_actor"] = float((hf_logp - logps_after[ref_key].double())[real].abs().max())
+        report["convert"] = _convert_checks(work, variant_paths["hf_dir"], hf_reference, base, saved_logp, real)
     dist.barrier()
 
     # Resume at the saved layout: the second step again, bit for bit.
@@ -126,3 +127,51 @@ def run_lora_checks(*, build, base, rl_batch, algorithms, variant_paths, work: P
         refusal = str(e)
     report["reshard_tp2_to_tp1"] = {"refusal": refusal, "logp_vs_saved": float((resharded - saved_logp).abs().max())}
     return json.loads(json.dumps(report))
+
+
+def _convert_checks(work: Path, base_hf_dir: str, hf_reference, batch, saved_logp, real) -> dict:
+    """``megatron-rl convert mcore-to-hf`` of the TP=2 LoRA checkpoint (after step 1): the merged
+    model in transformers, and the PEFT adapter loaded by ``peft`` over the HF base model, each
+    against the actor's log-probs at that checkpoint; the merged weights against the base
+    weights plus ``(alpha / r) B A`` of the PEFT tensors."""
+    import subprocess
+    import sys
+
+    import torch
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    merged_dir, peft_dir = work / "lora_convert_merged", work / "lora_convert_peft"
+    cmd = [sys.executable, "-m", "megatron_rl", "convert", "mcore-to-hf", "--mcore", str(work / "lora_ckpt" / "step_1"),
+           "--out", str(merged_dir), "--peft-out", str(peft_dir)]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    out: dict = {"exit": done.returncode, "output": (done.stdout + done.stderr)[-2000:]}
+    if done.returncode != 0:
+        return out
+    want = saved_logp.double()
+    merged_logp, _ = hf_reference(str(merged_dir), batch)
+    out["merged_vs_actor"] = float((merged_logp - want)[real].abs().max())
+    base = AutoModelForCausalLM.from_pretrained(base_hf_dir, dtype=torch.float32, attn_implementation="eager")
+    peft_model = PeftModel.from_pretrained(base, str(peft_dir)).eval()
+    peft_logp, _ = hf_reference(None, batch, model=peft_model)
+    out["peft_vs_actor"] = float((peft_logp - want)[real].abs().max())
+    out["peft_config"] = json.loads((peft_dir / "adapter_config.json").read_text())
+    adapter = load_file(str(peft_dir / "adapter_model.safetensors"))
+    out["peft_tensors"] = len(adapter)
+    base_weights, merged_weights = load_file(str(Path(base_hf_dir) / "model.safetensors")), load_file(
+        str(merged_dir / "model.safetensors"))  # fmt: skip
+    scale = out["peft_config"]["lora_alpha"] / out["peft_config"]["r"]
+    worst, adapted = 0.0, set()
+    for name, a in adapter.items():
+        if name.endswith(".lora_A.weight"):
+            module = name.removeprefix("base_model.model.").removesuffix(".lora_A.weight")
+            b = adapter[name.replace(".lora_A.", ".lora_B.")]
+            expected = base_weights[f"{module}.weight"].double() + scale * b.double() @ a.double()
+            worst = max(worst, float((merged_weights[f"{module}.weight"].double() - expected).abs().max()))
+            adapted.add(f"{module}.weight")
+    out["merged_vs_base_plus_ba"], out["adapted_projections"] = worst, len(adapted)
+    out["unadapted_equal"] = sorted(merged_weights) == sorted(base_weights) and all(
+        torch.equal(merged_weights[n], t) for n, t in base_weights.items() if n not in adapted
+    )
+    return out

@@ -50,6 +50,15 @@ from pathlib import Path
 import torch
 
 from megatron_rl.models.common import DecoderAdapter, ModelDims, padded_vocab_size
+from megatron_rl.models.convert.lora_export import (
+    ADAPTER_KEY_SUFFIXES,
+    LoRAExport,
+    adapted_units,
+    adapter_keys,
+    merge_adapter,
+    peft_tensors,
+    write_peft_adapter,
+)
 from megatron_rl.models.hf_io import (
     HF_AUX_FILES,
     SafetensorsReader,
@@ -124,8 +133,13 @@ class McoreToHfOptions:
 
     mcore_dir: Path
     """megatron-core torch_dist checkpoint directory (has metadata.json)."""
-    out_dir: Path
-    """Output directory; must not exist or be empty."""
+    out_dir: Path | None
+    """Output directory of the HF model (with a LoRA checkpoint's adapters merged); must not
+    exist or be empty. None: no model (``peft_dir`` only)."""
+    lora: LoRAExport | None = None
+    """The adapters the checkpoint holds (its ``actor_state.json``); None: it must hold none."""
+    peft_dir: Path | None = None
+    """Output directory of the adapters in PEFT's format (``lora`` required); must not exist or be empty."""
     hf_config_dir: Path | None = None
     """Directory with config.json (+ generation/tokenizer files); default ``<mcore_dir>/hf_config``."""
     max_shard_bytes: int = 5 * 10**9
@@ -136,6 +150,8 @@ class McoreToHfOptions:
     def __post_init__(self) -> None:
         if self.max_shard_bytes < 1:
             raise ValueError(f"max_shard_bytes must be >= 1, got {self.max_shard_bytes}")
+        if self.out_dir is None and self.peft_dir is None:
+            raise ValueError("nothing to write: give out_dir (--out), peft_dir (--peft-out) or both")
         if self.dtype is not None:
             dtype_from_name(self.dtype)
 
@@ -364,9 +380,22 @@ def hf_to_mcore(options: HfToMcoreOptions) -> ConversionSummary:
 _MODEL_KEY_PREFIXES = ("embedding.", "decoder.", "output_layer.")
 
 
-def _check_mcore_tensors(reader, units: list[WeightUnit], dims: ModelDims, cfg_path: Path) -> None:
-    """Every unit's key exists with the shape the config implies; no other model tensor is stored."""
+def _check_mcore_tensors(reader, units: list[WeightUnit], dims: ModelDims, cfg_path: Path,
+                         lora: LoRAExport | None) -> None:  # fmt: skip
+    """Every unit's key exists with the shape the config implies (and the adapter of each unit
+    ``lora`` adapts); no other model tensor is stored."""
     expected = set()
+    if lora is not None:
+        for unit in adapted_units(units, lora):
+            for key in adapter_keys(unit):
+                if key not in reader.tensors:
+                    raise ConversionError(f"Megatron checkpoint {reader.directory} is missing adapter tensor '{key}' "
+                                          f"(its actor_state.json records LoRA on {list(lora.target_modules)})")  # fmt: skip
+                expected.add(key)
+    elif any(k.endswith(ADAPTER_KEY_SUFFIXES) for k in reader.tensors):
+        key = next(k for k in reader.tensors if k.endswith(ADAPTER_KEY_SUFFIXES))
+        raise ConversionError(f"Megatron checkpoint {reader.directory} holds LoRA adapters ('{key}') but records no "
+                              "LoRA settings (actor_state.json 'lora'): cannot merge them")  # fmt: skip
     for unit in units:
         expected.add(unit.sharded_key)
         if unit.sharded_key not in reader.tensors:
@@ -430,7 +459,8 @@ def _read_batches(units: list[WeightUnit], reader) -> Iterator[list[WeightUnit]]
 
 
 def mcore_to_hf(options: McoreToHfOptions) -> ConversionSummary:
-    """Convert a megatron-core torch_dist checkpoint into HF safetensors shards."""
+    """Convert a megatron-core torch_dist checkpoint into HF safetensors shards (a LoRA
+    checkpoint's adapters merged) and/or its adapters into a PEFT adapter directory."""
     from megatron_rl.models.convert.mcore_io import DistCheckpointReader, single_process_group
 
     start = time.perf_counter()
@@ -439,6 +469,8 @@ def mcore_to_hf(options: McoreToHfOptions) -> ConversionSummary:
     cfg_dir = Path(options.hf_config_dir) if options.hf_config_dir is not None else mcore_dir / HF_CONFIG_SUBDIR
     if not (cfg_dir / "config.json").is_file():
         raise ConversionError(f"no HF config.json in {cfg_dir}; pass --hf-config DIR")
+    if options.peft_dir is not None and options.lora is None:
+        raise ConversionError(f"--peft-out: checkpoint {mcore_dir} holds no LoRA adapters (its actor_state.json records none)")
     cfg = read_config(cfg_dir)
     adapter = adapter_for_config(cfg)
     dims = adapter.dims(cfg)
@@ -446,7 +478,8 @@ def mcore_to_hf(options: McoreToHfOptions) -> ConversionSummary:
     stored = reader.tensors.get("embedding.word_embeddings.weight")
     stored_rows = stored[0][0] if stored is not None else dims.vocab_size
     units = adapter.weight_units(cfg, padded_vocab_size=max(stored_rows, dims.vocab_size))
-    _check_mcore_tensors(reader, units, dims, cfg_dir / "config.json")
+    _check_mcore_tensors(reader, units, dims, cfg_dir / "config.json", options.lora)
+    adapted = {id(u) for u in adapted_units(units, options.lora)} if options.lora is not None else set()
 
     specs = []
     for unit in units:
@@ -454,30 +487,50 @@ def mcore_to_hf(options: McoreToHfOptions) -> ConversionSummary:
         specs += [TensorSpec(name=n, shape=tuple(s), dtype=dtype) for n, s in zip(unit.hf_names, unit.hf_shapes)]
     dtype_of = {s.name: s.dtype for s in specs}
 
-    needed = sum(spec.nbytes for spec in specs)
-    with _atomic_output_dir(options.out_dir, needed_bytes=needed) as tmp, single_process_group():
-        writer = SafetensorsShardWriter(tmp, specs, max_shard_bytes=options.max_shard_bytes)
+    needed = sum(spec.nbytes for spec in specs) if options.out_dir is not None else 0
+    peft: dict[str, torch.Tensor] = {}
+    with contextlib.ExitStack() as outputs, single_process_group():
+        tmp = outputs.enter_context(_atomic_output_dir(options.out_dir, needed_bytes=needed)) if options.out_dir else None
+        peft_tmp = outputs.enter_context(_atomic_output_dir(options.peft_dir)) if options.peft_dir else None
+        writer = SafetensorsShardWriter(tmp, specs, max_shard_bytes=options.max_shard_bytes) if tmp else None
         try:
-            for batch in _read_batches(units, reader):
-                tensors = reader.read_many([(u.sharded_key, u.layer, u.expert) for u in batch])
-                for unit, full in zip(batch, tensors):
-                    for name, tensor in adapter.mcore_to_hf(unit, full):
-                        writer.write(name, tensor.to(dtype_of[name]))
+            # Only the adapted units when the model is not written (the adapters alone).
+            wanted = units if tmp is not None else [u for u in units if id(u) in adapted]
+            for batch in _read_batches(wanted, reader):
+                requests = [(u.sharded_key, u.layer, u.expert) for u in batch]
+                requests += [(key, u.layer, None) for u in batch if id(u) in adapted for key in adapter_keys(u)]
+                tensors = reader.read_many(requests)
+                pairs = iter(tensors[len(batch) :])
+                for unit, full in zip(batch, tensors[: len(batch)]):
+                    if id(unit) in adapted:
+                        a, b = next(pairs), next(pairs)
+                        if peft_tmp is not None:
+                            peft.update(peft_tensors(unit, a, b, options.lora))
+                        full = merge_adapter(unit, full, a, b, options.lora)
+                    if writer is not None:
+                        for name, tensor in adapter.mcore_to_hf(unit, full):
+                            writer.write(name, tensor.to(dtype_of[name]))
                 del tensors, full
-            writer.finish()
+            if writer is not None:
+                writer.finish()
         finally:
-            writer.close()
-        # config.json is copied verbatim unless a cast changes the dtype it records.
-        copy_aux_files(cfg_dir, tmp, skip=["config.json"] if options.dtype is not None else [])
-        if options.dtype is not None:
-            name = str(dtype_from_name(options.dtype)).removeprefix("torch.")
-            keys = [k for k in ("dtype", "torch_dtype") if k in cfg] or ["torch_dtype"]
-            cfg.update({k: name for k in keys})
-            (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+            if writer is not None:
+                writer.close()
+        if peft_tmp is not None:
+            write_peft_adapter(peft_tmp, {k: v.to(_target_dtype(options.dtype, v.dtype)) for k, v in peft.items()},
+                               options.lora, cfg)  # fmt: skip
+        if tmp is not None:
+            # config.json is copied verbatim unless a cast changes the dtype it records.
+            copy_aux_files(cfg_dir, tmp, skip=["config.json"] if options.dtype is not None else [])
+            if options.dtype is not None:
+                name = str(dtype_from_name(options.dtype)).removeprefix("torch.")
+                keys = [k for k in ("dtype", "torch_dtype") if k in cfg] or ["torch_dtype"]
+                cfg.update({k: name for k in keys})
+                (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     return ConversionSummary(
-        out_dir=Path(options.out_dir).absolute(),
+        out_dir=Path(options.out_dir if options.out_dir is not None else options.peft_dir).absolute(),
         model_type=dims.model_type,
-        num_tensors=len(specs),
-        tensor_bytes=writer.bytes_written,
+        num_tensors=len(specs) if writer is not None else len(peft),
+        tensor_bytes=writer.bytes_written if writer is not None else sum(t.nbytes for t in peft.values()),
         seconds=time.perf_counter() - start,
     )
