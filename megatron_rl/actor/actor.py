@@ -53,6 +53,7 @@ from megatron_rl.algo import (
     prepass_statistics,
 )
 from megatron_rl.ops import LossInputs
+from megatron_rl.storage.checkpoints import BASE_WEIGHTS_KEY, base_reference
 
 __all__ = ["LogProbs", "MegatronActor"]
 
@@ -105,6 +106,10 @@ class MegatronActor(PolicyModel):
         self.last_train_logp: torch.Tensor | None = None
         """``[N, L]`` old (= current) log-probs of the last ``train_step(on_policy=True)``."""
         self._train_state_offloaded = False
+        self.base_weights: dict[str, str] | None = None
+        """A LoRA actor's frozen base weights, when loaded from a file (``{"path", "fingerprint"}``):
+        its checkpoints then hold the adapters only and name these. None: the base is in no file
+        (random init, or it came from a checkpoint that holds it), so checkpoints hold it too."""
 
     @property
     def model_chunks(self) -> list:
@@ -328,6 +333,8 @@ class MegatronActor(PolicyModel):
         }  # fmt: skip
         if trainer_state is not None:
             state["trainer"] = trainer_state
+        if self.base_weights is not None:
+            state[BASE_WEIGHTS_KEY] = self.base_weights
         return ckpt.save_checkpoint(
             directory,
             model=self.model,
@@ -337,6 +344,7 @@ class MegatronActor(PolicyModel):
             hf_config=self.hf_config,
             hf_source_dir=self.hf_source_dir,
             optimizer_sharding=self.spec.actor.checkpoint_optimizer_sharding,
+            adapters_only=self.base_weights is not None,
         )
 
     def load_checkpoint(self, directory: str | Path, *, load_optimizer: bool | None = None, load_rng: bool = True) -> dict:
@@ -352,7 +360,10 @@ class MegatronActor(PolicyModel):
             groups=self.groups,
             load_optimizer=load_optimizer,
             load_rng=load_rng,
+            base=self.base_weights,
         )
+        if record["loaded_as_base"]:  # a model without adapters: this LoRA actor's base
+            self.base_weights = base_reference(ckpt.resolve_checkpoint_dir(directory))
         set_adam_kernel(self.optimizer, self.spec.actor.optimizer_kernel)  # the load restored the saved groups' options
         self.train_steps = int(record.get("train_steps", 0))
         self.optimizer_steps = int(record.get("optimizer_steps", 0))
@@ -366,6 +377,8 @@ class MegatronActor(PolicyModel):
         shards) and refresh the optimizer's master weights. Returns the number of local
         parameters written. Collective (barrier)."""
         written = super().load_hf_weights(directory)
+        if self.spec.lora is not None:
+            self.base_weights = base_reference(directory)
         with torch.no_grad(), cpu_shim.cuda_to_cpu():
             self.optimizer.reload_model_params()
         dist.barrier()

@@ -28,6 +28,7 @@ import torch
 from megatron_rl.actor.actor import LogProbs
 from megatron_rl.actor.batch import ActorBatch
 from megatron_rl.actor.spec import ActorSpec
+from megatron_rl.storage.checkpoints import base_weights_of
 from megatron_rl.weight_sync.buckets import WeightBucket, make_buckets
 from megatron_rl.weight_sync.meta import TensorMeta, dtype_of
 
@@ -145,7 +146,11 @@ class ActorWorker:
 
     def load_initial_weights(self, source: str) -> None:
         """The run's initial weights into the actor AND the reference: a HF safetensors
-        directory, or the weights of a Megatron checkpoint."""
+        directory, or the weights of a Megatron checkpoint (an adapter-only LoRA checkpoint:
+        the base weights it names first, then its adapters)."""
+        base = base_weights_of(source)
+        if base is not None:
+            self.load_initial_weights(base["path"])
         if is_hf_directory(source):
             self.actor.load_hf_weights(source)
             if self._reference_weights is not None:

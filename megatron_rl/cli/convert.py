@@ -166,7 +166,7 @@ def _convert(args: argparse.Namespace):
                     mcore_dir=args.mcore,
                     out_dir=args.out,
                     peft_dir=args.peft_out,
-                    lora=recorded_lora(args.mcore),
+                    lora=recorded_lora(args.mcore, need_base=args.out is not None),
                     hf_config_dir=args.hf_config,
                     max_shard_bytes=args.max_shard_size,
                     dtype=args.dtype,
@@ -180,24 +180,36 @@ def _convert(args: argparse.Namespace):
     return EXIT_OK, summary
 
 
-def recorded_lora(mcore_dir: Path):
+def recorded_lora(mcore_dir: Path, *, need_base: bool = False):
     """The LoRA adapters a training checkpoint records in its ``actor_state.json`` (None: none,
-    or a converted checkpoint without the file)."""
+    or a converted checkpoint without the file). ``need_base``: an adapter-only checkpoint's
+    base weights must be where it says, with the fingerprint it records."""
     import json
 
     from megatron_rl.models.convert.lora_export import LoRAExport
     from megatron_rl.models.weight_units import ConversionError
-    from megatron_rl.storage.checkpoints import STATE_FILE
+    from megatron_rl.storage.checkpoints import BASE_WEIGHTS_KEY, STATE_FILE, weights_fingerprint
 
     path = Path(mcore_dir) / STATE_FILE
     if not path.is_file():
         return None
     try:
-        lora = json.loads(path.read_text()).get("lora")
-        return None if lora is None else LoRAExport(rank=int(lora["rank"]), alpha=float(lora["alpha"]),
-                                                    target_modules=tuple(lora["target_modules"]))  # fmt: skip
+        record = json.loads(path.read_text())
+        lora, base = record.get("lora"), record.get(BASE_WEIGHTS_KEY)
+        if lora is None:
+            return None
+        export = LoRAExport(rank=int(lora["rank"]), alpha=float(lora["alpha"]), target_modules=tuple(lora["target_modules"]),
+                            base_dir=None if base is None else Path(base["path"]))  # fmt: skip
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise ConversionError(f"{path}: cannot read its 'lora' record: {type(e).__name__}: {e}") from None
+    if need_base and base is not None:
+        if not export.base_dir.is_dir():
+            raise ConversionError(f"checkpoint {mcore_dir} holds LoRA adapters only; their base weights, "
+                                  f"{export.base_dir} (its {STATE_FILE}), are gone")  # fmt: skip
+        if weights_fingerprint(export.base_dir) != base["fingerprint"]:
+            raise ConversionError(f"checkpoint {mcore_dir} holds LoRA adapters only, trained over other weights than "
+                                  f"those now in {export.base_dir} (the fingerprint its {STATE_FILE} records differs)")  # fmt: skip
+    return export
 
 
 def main(argv: list[str] | None = None) -> int:

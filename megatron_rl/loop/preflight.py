@@ -42,7 +42,16 @@ from megatron_rl.config.parallel import ParallelConfig
 from megatron_rl.config.run import RunConfig
 from megatron_rl.data.loaders import PromptRow, duplicate_ids, load_rows
 from megatron_rl.data.prompts import PromptEncoder
-from megatron_rl.storage.checkpoints import CheckpointError, ResumeChoice, choose_checkpoint, verify_checkpoint
+from megatron_rl.storage.checkpoints import (
+    BASE_WEIGHTS_KEY,
+    CheckpointError,
+    ResumeChoice,
+    base_reference,
+    base_weights_of,
+    choose_checkpoint,
+    verify_checkpoint,
+    weights_fingerprint,
+)
 from megatron_rl.tasks import Task
 
 __all__ = ["Preflight", "TASK_KEY", "check_registries", "preflight"]
@@ -274,6 +283,17 @@ def _check_initial_weights(config: RunConfig) -> None:
     path = Path(source)
     # The same two kinds the actor group tells apart when it loads them.
     if ((path / "config.json").is_file() and any(path.glob("*.safetensors"))) or (path / "metadata.json").is_file():
+        try:
+            base = base_weights_of(path)
+        except CheckpointError as e:
+            raise ConfigError("model.checkpoint", str(e)) from None
+        gone = base is not None and not Path(base["path"]).is_dir()
+        if base is not None and (gone or weights_fingerprint(base["path"]) != base["fingerprint"]):
+            raise ConfigError(
+                "model.checkpoint",
+                f"{source!r} holds LoRA adapters only, trained over the base weights of {base['path']}, "
+                "which are gone or changed since (their fingerprint differs)",
+            )
         return
     raise ConfigError(
         "model.checkpoint" if config.model.checkpoint else "model.hf_config",
@@ -379,6 +399,7 @@ def _check_resume_fits(config: RunConfig, resume: ResumeChoice, *, num_train_row
             f"the files hold {num_train_rows} rows but checkpoint {resume.path} was written with {saved_rows}: "
             "resuming would not continue the same data order",
         )
+    _check_resume_base(config, resume)
     differences = _optimizer_differences(config, resume.record)
     if not differences:
         return
@@ -402,6 +423,25 @@ def _check_resume_fits(config: RunConfig, resume: ResumeChoice, *, num_train_row
             continue
         warn_config(f"trainer.{name}", f"{mine!r} replaced by the checkpoint's {theirs!r} (resume_optimizer_schedule)")
         setattr(config.trainer, name, theirs)
+
+
+def _check_resume_base(config: RunConfig, resume: ResumeChoice) -> None:
+    """An adapter-only LoRA checkpoint resumes over the base weights it was trained over: the
+    run's initial weights must be those (the same fingerprint; they load before it)."""
+    recorded = resume.record.get(BASE_WEIGHTS_KEY)
+    if recorded is None:
+        return
+    source = config.model.initial_weights
+    field = "model.init" if source is None else "model.checkpoint" if config.model.checkpoint else "model.hf_config"
+    mine = base_reference(source) if source is not None else None
+    if mine is None or mine["fingerprint"] != recorded["fingerprint"]:
+        held = "a random init (model.init)" if mine is None else f"{mine['path']}"
+        raise ConfigError(
+            field,
+            f"checkpoint {resume.path} holds LoRA adapters only, trained over the base weights of "
+            f"{recorded['path']} (fingerprint {recorded['fingerprint'][:12]}), but this run's base is {held}: "
+            "point the config at those weights to resume",
+        )
 
 
 def _optimizer_differences(config: RunConfig, record: dict[str, Any]) -> list[tuple[str, Any, Any]]:

@@ -38,7 +38,11 @@ __all__ = [
     "LATEST_FILE",
     "MANIFEST_FILE",
     "STATE_FILE",
+    "BASE_WEIGHTS_KEY",
     "CheckpointError",
+    "base_weights_of",
+    "base_reference",
+    "weights_fingerprint",
     "ResumeChoice",
     "checkpoint_step",
     "choose_checkpoint",
@@ -56,6 +60,9 @@ MANIFEST_FILE = "manifest.json"
 """Size and SHA-256 of every other file of a checkpoint (written last)."""
 STATE_FILE = "actor_state.json"
 """Counters, LR schedule, layout and the driver's state (step, data cursor) of a checkpoint."""
+BASE_WEIGHTS_KEY = "base_weights"
+"""``actor_state.json``'s entry of an adapter-only LoRA checkpoint: ``{"path", "fingerprint"}``
+of the frozen base weights it was trained over (which it does not hold)."""
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _MANIFEST_FORMAT = "megatron_rl.manifest/1"
@@ -155,6 +162,64 @@ def verify_checkpoint(directory: str | os.PathLike) -> dict[str, Any]:
     if not any(root.glob("*.distcp")):
         raise CheckpointError(root, "holds no tensor files (*.distcp)")
     return record
+
+
+# --------------------------------------------------------------------------- the base of an adapter-only checkpoint
+
+_SAMPLE_BYTES = 1 << 20
+
+
+def weights_fingerprint(directory: str | os.PathLike) -> str:
+    """A cheap identity of a weights directory (HF safetensors or a Megatron checkpoint), hex.
+
+    SHA-256 over the manifest where one exists (it holds every file's SHA-256); else over
+    ``config.json``, DCP's ``.metadata`` and each weight file's name, size and, for
+    safetensors files, their first and last MiB (the header names every tensor's place; a
+    Megatron checkpoint's ``.distcp`` files can number tens of thousands: name and size).
+    Tells two different models or fine-tunes apart without reading the weights whole."""
+    root = Path(directory)
+    digest = hashlib.sha256()
+    if (root / MANIFEST_FILE).is_file():
+        digest.update((root / MANIFEST_FILE).read_bytes())
+        return digest.hexdigest()
+    for path in sorted(p for p in root.iterdir() if p.is_file()):
+        if path.name in ("config.json", ".metadata"):
+            digest.update(path.name.encode() + b"\0" + path.read_bytes())
+        elif path.suffix in (".safetensors", ".distcp"):
+            size = path.stat().st_size
+            digest.update(f"{path.name}\0{size}".encode())
+            if path.suffix == ".safetensors":
+                with open(path, "rb") as f:
+                    digest.update(f.read(_SAMPLE_BYTES))
+                    f.seek(max(0, size - _SAMPLE_BYTES))
+                    digest.update(f.read(_SAMPLE_BYTES))
+    return digest.hexdigest()
+
+
+def base_weights_of(directory: str | os.PathLike) -> dict[str, str] | None:
+    """The base weights an adapter-only LoRA checkpoint records (``{"path", "fingerprint"}``);
+    None for any other weights directory."""
+    path = Path(directory) / STATE_FILE
+    if not path.is_file():
+        return None
+    try:
+        base = json.loads(path.read_text(encoding="utf-8")).get(BASE_WEIGHTS_KEY)
+    except (OSError, UnicodeDecodeError, ValueError, AttributeError) as e:
+        raise CheckpointError(directory, f"{STATE_FILE} is unreadable ({type(e).__name__}: {e})") from None
+    if base is not None and not (isinstance(base, dict) and isinstance(base.get("path"), str)
+                                 and isinstance(base.get("fingerprint"), str)):  # fmt: skip
+        raise CheckpointError(directory, f"{STATE_FILE} has a malformed {BASE_WEIGHTS_KEY!r}: {base!r}")
+    return base
+
+
+def base_reference(source: str | os.PathLike) -> dict[str, str]:
+    """``{"path", "fingerprint"}`` of the base weights that loading ``source`` puts in a LoRA
+    model: ``source`` itself (absolute), or the base an adapter-only checkpoint records."""
+    recorded = base_weights_of(source)
+    if recorded is not None:
+        return recorded
+    path = Path(source).absolute()
+    return {"path": str(path), "fingerprint": weights_fingerprint(path)}
 
 
 # --------------------------------------------------------------------------- the latest pointer

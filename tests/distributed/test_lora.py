@@ -320,6 +320,24 @@ def test_lora_checkpoints_resume_exactly_reshard_and_are_refused_without_adapter
     assert reshard["refusal"] is not None and "holds LoRA adapters" in reshard["refusal"]
 
 
+def test_a_lora_checkpoint_over_base_weights_from_a_file_holds_the_adapters_only(lora_actor, actor_job):
+    """The actor loaded its base from the converted checkpoint (HF safetensors at PP = 2): its
+    checkpoints hold the adapters and their optimizer state only, name that base with a
+    fingerprint, and load only over it (the resume above: bit for bit); without a base, or
+    over other files (the same weights as HF safetensors), they are refused naming both."""
+    variant = actor_job["spec"]["variants"]["qwen2_gqa"]
+    for key, entry in lora_actor["layouts"].items():
+        want = variant["hf_dir"] if key == "tp2_pp2" else variant["mcore_dir"]
+        assert entry["base_weights"] == str(Path(want).absolute()), key
+    only = lora_actor["adapter_only"]
+    assert only["record"]["path"] == str(Path(variant["mcore_dir"]).absolute()) and len(only["record"]["fingerprint"]) == 64
+    assert only["model_keys_are_adapters"]
+    refusals = lora_actor["resume"]["refusals"]
+    assert "holds LoRA adapters only, trained over the base weights of " + only["record"]["path"] in refusals["no_base"]
+    assert "this model holds no base weights loaded" in refusals["no_base"]
+    assert f"this model holds the base weights of {Path(variant['hf_dir']).absolute()}" in refusals["other_base"]
+
+
 
 def test_the_config_names_the_linears_the_layer_spec_knows():
     from megatron_rl.config.trainer import LoRAConfig, LoRATarget
@@ -343,3 +361,6 @@ def test_convert_writes_the_merged_model_and_a_peft_adapter_that_reproduce_the_a
     assert config["target_modules"] == projections
     assert convert["adapted_projections"] == 2 * len(projections) and convert["peft_tensors"] == 4 * len(projections)
     assert convert["merged_vs_base_plus_ba"] <= 1e-6 and convert["unadapted_equal"], convert
+    # The TP=2 x PP=2 actor's checkpoint, adapter-only over HF safetensors: merged from there.
+    assert isinstance(convert["over_hf_base_vs_tp1"], float), convert["over_hf_base_vs_tp1"]
+    assert convert["over_hf_base_vs_tp1"] <= ACTOR_TOL

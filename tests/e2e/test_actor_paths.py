@@ -51,3 +51,27 @@ def test_a_lora_run_starts_at_the_base_model_and_its_engines_follow_the_merged_p
     assert lora[3]["loss/ref_kl"] > 1e-5
     assert lora[3]["actor/grad_norm"] != pytest.approx(full[3]["actor/grad_norm"], rel=1e-3)  # other parameters train
     assert max(r["rollout/logp_mismatch/max_abs"] for r in lora.values()) <= 1e-5
+
+
+def test_a_lora_run_over_base_weights_from_a_checkpoint_saves_the_adapters_only(tiny_run):
+    """``actor.lora`` over ``model.checkpoint`` (the full-parameter KL run's step-2 checkpoint):
+    its checkpoint holds the adapters and their optimizer state only and names that base;
+    a new run from it (``model.checkpoint`` = the adapter-only checkpoint) loads the base and
+    then the adapters: its reference policy (adapters off) is the base, so its KL to it is
+    non-zero from step 1, and its engines hold the merged policy."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from megatron_rl.storage.checkpoints import base_weights_of, weights_fingerprint
+
+    base = tiny_run(*KL_RUN).run_dir / "checkpoints" / "step_000002"
+    over = ("model.init=pretrained", "actor.lora.rank=8", "algorithm.kl_coef=0.01", "trainer.eval_every_steps=0")
+    first = tiny_run("trainer.num_steps=2", "trainer.save_every_steps=2", f"model.checkpoint={base}", *over)
+    saved = first.run_dir / "checkpoints" / "step_000002"
+    assert base_weights_of(saved) == {"path": str(base.absolute()), "fingerprint": weights_fingerprint(base)}
+    keys = FileSystemReader(str(saved)).read_metadata().state_dict_metadata
+    model_keys = [k for k in keys if k.startswith(("embedding.", "decoder.", "output_layer."))]
+    assert model_keys and all(k.endswith((".lora_a", ".lora_b")) for k in model_keys), model_keys
+    assert first.rows[1]["loss/ref_kl"] == pytest.approx(0.0, abs=1e-6)  # B = 0: the actor is the base
+    second = tiny_run("trainer.num_steps=1", "trainer.save_every_steps=0", f"model.checkpoint={saved}", *over).rows
+    assert second[1]["loss/ref_kl"] > 1e-6  # the trained adapters are on, the reference is the base
+    assert second[1]["rollout/logp_mismatch/max_abs"] <= 1e-5

@@ -53,6 +53,7 @@ def run_lora_checks(*, build, base, rl_batch, algorithms, variant_paths, work: P
         logp0 = actor.compute_logprobs(base, temperature=temperature).logp
         reference = AdaptersOffReference(actor)
         entry = {
+            "base_weights": (actor.base_weights or {}).get("path"),
             "loaded_optimizer": loaded["loaded_optimizer"],
             "num_adapter_params": len(adapters),
             "adapter_elements": sum(p.numel() for p in model.parameters() if id(p) in adapters),
@@ -69,6 +70,8 @@ def run_lora_checks(*, build, base, rl_batch, algorithms, variant_paths, work: P
             actor.save_checkpoint(work / "lora_ckpt" / "step_1")
             saved_logp = actor.compute_logprobs(base, temperature=temperature).logp
         entry["step2"] = actor.train_step(batch, algorithm=second, phase="low")
+        if key == "tp2_pp2":  # adapter-only over the HF safetensors (convert reads its base from there)
+            actor.save_checkpoint(work / "lora_ckpt_hf" / "step_2")
         after = global_parameters(model, actor.adapter)
         entry["base_bit_identical"] = sorted(after) == sorted(base_before) and all(
             torch.equal(after[n], base_before[n]) for n in after
@@ -100,10 +103,34 @@ def run_lora_checks(*, build, base, rl_batch, algorithms, variant_paths, work: P
         real[:, 0] = False
         report["merged_export_vs_actor"] = float((hf_logp - logps_after[ref_key].double())[real].abs().max())
         report["convert"] = _convert_checks(work, variant_paths["hf_dir"], hf_reference, base, saved_logp, real)
+        report["convert"]["over_hf_base_vs_tp1"] = _convert_over_hf_base(work, merged[ref_key], max_diff)
     dist.barrier()
 
-    # Resume at the saved layout: the second step again, bit for bit.
+    # The checkpoint over the converted base holds the adapters (and their optimizer state) only.
+    saved = work / "lora_ckpt" / "step_1"
+    if dist.get_rank() == 0:
+        from torch.distributed.checkpoint import FileSystemReader
+
+        keys = sorted(FileSystemReader(str(saved)).read_metadata().state_dict_metadata)
+        model_keys = [k for k in keys if k.startswith(("embedding.", "decoder.", "output_layer."))]
+        report["adapter_only"] = {
+            "record": json.loads((saved / "actor_state.json").read_text()).get("base_weights"),
+            "model_keys_are_adapters": bool(model_keys) and all(k.endswith(ADAPTER_SUFFIXES) for k in model_keys),
+        }
+
+    # Resume at the saved layout: refused without the base, and over another base; over its
+    # base, the second step again, bit for bit.
     actor = build("qwen2_gqa", 2, 1, actor=lora, sequence_parallel=True)
+    refusals = {}
+    for case, base_dir in (("no_base", None), ("other_base", variant_paths["hf_dir"])):
+        if base_dir is not None:
+            actor.load_hf_weights(base_dir)
+        try:
+            actor.load_checkpoint(work / "lora_ckpt")
+            refusals[case] = None
+        except ValueError as e:
+            refusals[case] = str(e)
+    actor.load_checkpoint(variant_paths["mcore_dir"])
     record = actor.load_checkpoint(work / "lora_ckpt")
     step2 = actor.train_step(rl_batch(initial["tp1_pp1"]), algorithm=second, phase="low")
     report["resume"] = {
@@ -112,10 +139,12 @@ def run_lora_checks(*, build, base, rl_batch, algorithms, variant_paths, work: P
         "step2": step2,
         "step2_continuous": report["layouts"]["tp2_pp1_sp"]["step2"],
         "merged_bit_identical": max_diff(hf_weights(actor), merged["tp2_pp1_sp"]) == 0.0,
+        "refusals": refusals,
     }
 
     # The TP=2 LoRA checkpoint at TP=1 (adapters resharded): the same log-probs.
     actor = build("qwen2_gqa", 1, 1, actor=lora)
+    actor.load_checkpoint(variant_paths["mcore_dir"])
     actor.load_checkpoint(work / "lora_ckpt" / "step_1")
     resharded = actor.compute_logprobs(base, temperature=temperature).logp
     # A model without adapters refuses it (the adapters would be dropped silently).
@@ -175,3 +204,20 @@ def _convert_checks(work: Path, base_hf_dir: str, hf_reference, batch, saved_log
         torch.equal(merged_weights[n], t) for n, t in base_weights.items() if n not in adapted
     )
     return out
+
+
+def _convert_over_hf_base(work: Path, want: dict, max_diff) -> float | str:
+    """``convert mcore-to-hf --out`` of the TP=2 x PP=2 adapter-only checkpoint, whose base is
+    the HF safetensors: its merged weights against TP=1's after the same two steps."""
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    out = work / "lora_convert_over_hf"
+    cmd = [sys.executable, "-m", "megatron_rl", "convert", "mcore-to-hf", "--mcore", str(work / "lora_ckpt_hf" / "step_2"),
+           "--out", str(out)]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    if done.returncode != 0:
+        return (done.stdout + done.stderr)[-2000:]
+    return max_diff(load_file(str(out / "model.safetensors")), want)

@@ -166,6 +166,11 @@ CASES: list[tuple[str, Setup, tuple[str, ...]]] = [
         ("trainer.lr", "got 5e-05", "resume_optimizer_schedule"),
     ),
     (
+        "resume_lora_adapters_without_their_base",
+        lambda t: _resume(t, base_weights={"path": "/ckpt/base", "fingerprint": "ab" * 32}),
+        ("model.init", "holds LoRA adapters only, trained over the base weights of /ckpt/base", "a random init"),
+    ),
+    (
         "resume_min_lr_differs",
         lambda t: _resume(t, scheduler={**tiny_scheduler(), "min_lr": 1e-5}),
         ("trainer.min_lr", "1e-05"),

@@ -118,3 +118,42 @@ def test_durable_writes_leave_no_temporary_files(folder):
     write_latest(folder, "step_000001")
     assert (folder / "latest").read_text() == "step_000001\n"
     assert sorted(p.name for p in folder.iterdir()) == ["latest", "step_000001", "step_000002", "step_000003"]
+
+
+# --------------------------------------------------------------------------- the base of an adapter-only checkpoint
+
+
+def test_the_weights_fingerprint_tells_files_apart_and_follows_adapter_only_checkpoints(tmp_path, folder):
+    from megatron_rl.storage.checkpoints import base_reference, base_weights_of, weights_fingerprint
+
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text('{"model_type": "qwen2"}')
+    (hf / "model.safetensors").write_bytes(bytes(range(256)) * 20_000)  # 5 MiB: first and last MiB read
+    first = weights_fingerprint(hf)
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    for f in hf.iterdir():
+        (copy / f.name).write_bytes(f.read_bytes())
+    assert weights_fingerprint(copy) == first  # a copy of the same files
+    _flip_a_bit(hf / "model.safetensors")  # the middle: outside the sampled bytes
+    assert weights_fingerprint(hf) == first
+    data = bytearray((hf / "model.safetensors").read_bytes())
+    data[-1] ^= 1
+    (hf / "model.safetensors").write_bytes(bytes(data))
+    assert weights_fingerprint(hf) != first
+    (copy / "config.json").write_text('{"model_type": "qwen3"}')
+    assert weights_fingerprint(copy) != first
+    # A checkpoint with a manifest: its digest (every file's SHA-256).
+    step = folder / "step_000001"
+    before = weights_fingerprint(step)
+    _flip_a_bit(step / "__0_0.distcp")
+    assert weights_fingerprint(step) == before  # the manifest is what is read; verify_checkpoint finds the flip
+    # base_reference: the directory itself, or the base an adapter-only checkpoint names.
+    assert base_reference(copy) == {"path": str(copy.absolute()), "fingerprint": weights_fingerprint(copy)}
+    assert base_weights_of(copy) is None and base_weights_of(step) is None
+    lora = make_checkpoint(tmp_path / "lora", 5, base_weights={"path": str(copy), "fingerprint": "cd" * 32})
+    assert base_reference(lora) == base_weights_of(lora) == {"path": str(copy), "fingerprint": "cd" * 32}
+    bad = make_checkpoint(tmp_path / "bad", 5, base_weights={"path": 3})
+    with pytest.raises(CheckpointError, match="malformed 'base_weights'"):
+        base_weights_of(bad)

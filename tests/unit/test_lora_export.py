@@ -117,3 +117,24 @@ def test_the_lora_record_is_read_from_actor_state_json(tmp_path):
 def test_the_options_need_an_output(tmp_path):
     with pytest.raises(ValueError, match=r"nothing to write: give out_dir \(--out\), peft_dir \(--peft-out\)"):
         McoreToHfOptions(mcore_dir=tmp_path, out_dir=None)
+
+
+def test_an_adapter_only_checkpoint_needs_its_recorded_base_to_merge(tmp_path):
+    from megatron_rl.storage.checkpoints import weights_fingerprint
+
+    base = tmp_path / "base"
+    base.mkdir()
+    (base / "config.json").write_text("{}")
+    (base / "model.safetensors").write_bytes(b"weights" * 100)
+    lora = {"rank": 8, "alpha": 16, "target_modules": ["linear_qkv"]}
+    record = {"lora": lora, "base_weights": {"path": str(base), "fingerprint": weights_fingerprint(base)}}
+    (tmp_path / "actor_state.json").write_text(json.dumps(record))
+    assert recorded_lora(tmp_path, need_base=True).base_dir == base
+    (base / "model.safetensors").write_bytes(b"other!!" * 100)
+    with pytest.raises(ConversionError, match="trained over other weights than those now in"):
+        recorded_lora(tmp_path, need_base=True)
+    assert recorded_lora(tmp_path).base_dir == base  # the PEFT adapter alone needs no base
+    record["base_weights"]["path"] = str(tmp_path / "gone")
+    (tmp_path / "actor_state.json").write_text(json.dumps(record))
+    with pytest.raises(ConversionError, match=r"holds LoRA adapters only; their base weights, .*gone \(its actor_state.json\), are gone"):
+        recorded_lora(tmp_path, need_base=True)

@@ -25,7 +25,9 @@ checkpoint to ``<dir>`` (replacing an older ``<dir>``), fsyncs the parent and re
 and pointer, never a partial one.
 
 Model weights are stored TP/PP-independently (full tensors, layers stacked), so they
-load at any TP/PP and ``megatron-rl convert mcore-to-hf`` exports them.
+load at any TP/PP and ``megatron-rl convert mcore-to-hf`` exports them. A LoRA actor whose
+frozen base came from a file writes its adapters alone (``adapters_only``; ``actor_state.json``
+names the base under ``base_weights``), and such a checkpoint loads only over that base.
 
 Optimizer state of megatron's plain optimizer (``actor.use_distributed_optimizer: false``):
 per-parameter state, identical on every DP rank, recorded as ``replicated``; it loads at
@@ -81,6 +83,7 @@ from megatron_rl.actor.optimizer import (
     set_adam_step,
 )
 from megatron_rl.storage.checkpoints import (
+    BASE_WEIGHTS_KEY,
     LATEST_FILE,
     STATE_FILE,
     CheckpointError,
@@ -189,8 +192,12 @@ def save_checkpoint(
     hf_config: Mapping[str, Any],
     hf_source_dir: Path | None = None,
     optimizer_sharding: OptimizerSharding = OPTIMIZER_SHARDING,
+    adapters_only: bool = False,
 ) -> Path:
     """Write a checkpoint of ``model`` (the unwrapped GPTModel) and ``optimizer`` to ``directory``.
+
+    ``adapters_only``: of the model, only its LoRA adapters (the frozen base stays where it
+    was loaded from; ``actor_state`` then names it under ``base_weights``).
 
     Collective over the whole world (barriers, dist_checkpointing). ``actor_state`` is
     written to ``actor_state.json`` by global rank 0 (JSON-serialisable values). Returns
@@ -214,7 +221,7 @@ def save_checkpoint(
     try:
         return _write(final, tmp, model=model, optimizer=optimizer, groups=groups, actor_state=actor_state,
                       hf_config=hf_config, hf_source_dir=hf_source_dir, optimizer_sharding=optimizer_sharding,
-                      recorded=recorded)  # fmt: skip
+                      recorded=recorded, adapters_only=adapters_only)  # fmt: skip
     except BaseException as e:  # torch's CheckpointException is a BaseException
         # A full file system rarely says so: torch's writer reports a short write as
         # "unexpected pos ..."; so the free space decides too. The partial directory goes.
@@ -237,7 +244,7 @@ def _nearly_full(path: Path) -> bool:
 
 
 def _write(final: Path, tmp: Path, *, model, optimizer, groups, actor_state, hf_config, hf_source_dir,
-           optimizer_sharding, recorded) -> Path:  # fmt: skip
+           optimizer_sharding, recorded, adapters_only) -> Path:  # fmt: skip
     """The collective write of :func:`save_checkpoint` (``tmp``, then renamed to ``final``)."""
     from megatron.core import dist_checkpointing
 
@@ -252,6 +259,10 @@ def _write(final: Path, tmp: Path, *, model, optimizer, groups, actor_state, hf_
     metadata = {"distrib_optim_sharding_type": optimizer_sharding}
     with cpu_shim.cuda_to_cpu():
         model_sd = model.sharded_state_dict()
+        if adapters_only:  # the optimizer holds the adapters alone, so its state maps onto these
+            from megatron_rl.models.lora import ADAPTER_SUFFIXES
+
+            model_sd = {k: v for k, v in model_sd.items() if k.endswith(ADAPTER_SUFFIXES)}
         state = {"model": model_sd}
         if optimizer is not None:
             state["optimizer"] = optimizer.sharded_state_dict(model_sd, metadata=metadata)
@@ -313,8 +324,13 @@ def load_checkpoint(
     groups: ProcessGroups,
     load_optimizer: bool | None = None,
     load_rng: bool = True,
+    base: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
     """Load a checkpoint (or ``directory/latest``) into ``model`` and ``optimizer``.
+
+    An adapter-only LoRA checkpoint (``base_weights`` in its ``actor_state.json``) loads
+    its adapters only, over the base weights the model holds already: ``base`` (their
+    ``{"path", "fingerprint"}``) must be the ones it records, else ``ValueError`` naming both.
 
     ``load_optimizer``: ``None`` loads the optimizer state when the checkpoint has one
     that fits (written at this TP/PP, or ``fully_reshardable``; warns and skips
@@ -361,6 +377,16 @@ def load_checkpoint(
         model_sd = model.sharded_state_dict()
     adapters = sorted(k for k in model_sd if k.endswith(ADAPTER_SUFFIXES))
     base_only = bool(adapters) and not record.get("lora")
+    recorded_base = record.get(BASE_WEIGHTS_KEY)
+    if recorded_base is not None and adapters:
+        if base is None or base["fingerprint"] != recorded_base["fingerprint"]:
+            held = "no base weights loaded" if base is None else f"the base weights of {base['path']}"
+            raise ValueError(
+                f"checkpoint {path} holds LoRA adapters only, trained over the base weights of "
+                f"{recorded_base['path']} (fingerprint {recorded_base['fingerprint'][:12]}); this model holds {held}: "
+                "load those first (model.checkpoint / model.hf_config)"
+            )
+        model_sd = {k: model_sd[k] for k in adapters}
     if record.get("lora") and not adapters:
         raise ValueError(f"checkpoint {path} holds LoRA adapters ({record['lora']}) and this model has none "
                          "(set actor.lora as the run that wrote it did)")  # fmt: skip
@@ -395,7 +421,8 @@ def load_checkpoint(
         warnings.filterwarnings("ignore", message=".*load_state_dict.*deprecated", category=FutureWarning)
         loaded = dist_checkpointing.load(state, str(path))
     missing, unexpected = model.load_state_dict(loaded["model"], strict=False)
-    missing = [k for k in missing if not (base_only and k.endswith(ADAPTER_SUFFIXES))]
+    missing = [k for k in missing if not (base_only and k.endswith(ADAPTER_SUFFIXES))
+               and not (recorded_base is not None and not k.endswith(ADAPTER_SUFFIXES))]  # fmt: skip
     if missing or unexpected:
         raise RuntimeError(f"checkpoint {path} does not fit the model: missing {missing[:3]}, unexpected {unexpected[:3]}")
     if optimizer is not None:
@@ -420,4 +447,4 @@ def load_checkpoint(
         if rng is not None:
             set_rng_state(rng)
     dist.barrier()
-    return {**record, "loaded_optimizer": bool(load_optimizer)}
+    return {**record, "loaded_optimizer": bool(load_optimizer), "loaded_as_base": base_only}

@@ -381,9 +381,10 @@ _MODEL_KEY_PREFIXES = ("embedding.", "decoder.", "output_layer.")
 
 
 def _check_mcore_tensors(reader, units: list[WeightUnit], dims: ModelDims, cfg_path: Path,
-                         lora: LoRAExport | None) -> None:  # fmt: skip
-    """Every unit's key exists with the shape the config implies (and the adapter of each unit
-    ``lora`` adapts); no other model tensor is stored."""
+                         lora: LoRAExport | None, *, weights: bool = True) -> None:  # fmt: skip
+    """Every unit's key exists with the shape the config implies (``weights``; an adapter-only
+    checkpoint holds none) and the adapter of each unit ``lora`` adapts; no other model
+    tensor is stored."""
     expected = set()
     if lora is not None:
         for unit in adapted_units(units, lora):
@@ -396,7 +397,7 @@ def _check_mcore_tensors(reader, units: list[WeightUnit], dims: ModelDims, cfg_p
         key = next(k for k in reader.tensors if k.endswith(ADAPTER_KEY_SUFFIXES))
         raise ConversionError(f"Megatron checkpoint {reader.directory} holds LoRA adapters ('{key}') but records no "
                               "LoRA settings (actor_state.json 'lora'): cannot merge them")  # fmt: skip
-    for unit in units:
+    for unit in units if weights else ():
         expected.add(unit.sharded_key)
         if unit.sharded_key not in reader.tensors:
             raise ConversionError(
@@ -460,53 +461,82 @@ def _read_batches(units: list[WeightUnit], reader) -> Iterator[list[WeightUnit]]
 
 def mcore_to_hf(options: McoreToHfOptions) -> ConversionSummary:
     """Convert a megatron-core torch_dist checkpoint into HF safetensors shards (a LoRA
-    checkpoint's adapters merged) and/or its adapters into a PEFT adapter directory."""
+    checkpoint's adapters merged; an adapter-only one's base read from ``lora.base_dir``)
+    and/or its adapters into a PEFT adapter directory."""
     from megatron_rl.models.convert.mcore_io import DistCheckpointReader, single_process_group
 
     start = time.perf_counter()
-    mcore_dir = Path(options.mcore_dir)
+    mcore_dir, lora = Path(options.mcore_dir), options.lora
     reader = DistCheckpointReader(mcore_dir)
     cfg_dir = Path(options.hf_config_dir) if options.hf_config_dir is not None else mcore_dir / HF_CONFIG_SUBDIR
     if not (cfg_dir / "config.json").is_file():
         raise ConversionError(f"no HF config.json in {cfg_dir}; pass --hf-config DIR")
-    if options.peft_dir is not None and options.lora is None:
+    if options.peft_dir is not None and lora is None:
         raise ConversionError(f"--peft-out: checkpoint {mcore_dir} holds no LoRA adapters (its actor_state.json records none)")
     cfg = read_config(cfg_dir)
     adapter = adapter_for_config(cfg)
     dims = adapter.dims(cfg)
+    write_model = options.out_dir is not None
+    # Where the (base) weights are: the checkpoint, or an adapter-only checkpoint's base.
+    weights, hf_base = reader, None
+    base_dir = lora.base_dir if lora is not None else None
+    if base_dir is not None and write_model:
+        if (Path(base_dir) / "metadata.json").is_file():
+            weights = DistCheckpointReader(Path(base_dir))
+        else:
+            hf_base = SafetensorsReader.open(Path(base_dir))
     # The stored padding depends on the TP size the checkpoint was written at; any >= V is fine.
-    stored = reader.tensors.get("embedding.word_embeddings.weight")
+    stored = weights.tensors.get("embedding.word_embeddings.weight") if hf_base is None else None
     stored_rows = stored[0][0] if stored is not None else dims.vocab_size
     units = adapter.weight_units(cfg, padded_vocab_size=max(stored_rows, dims.vocab_size))
-    _check_mcore_tensors(reader, units, dims, cfg_dir / "config.json", options.lora)
-    adapted = {id(u) for u in adapted_units(units, options.lora)} if options.lora is not None else set()
+    _check_mcore_tensors(reader, units, dims, cfg_dir / "config.json", lora, weights=base_dir is None)
+    if weights is not reader:
+        _check_mcore_tensors(weights, units, dims, cfg_dir / "config.json", None)
+    elif hf_base is not None:
+        _check_hf_tensors(hf_base, units, adapter, cfg)
+    adapted = {id(u) for u in adapted_units(units, lora)} if lora is not None else set()
+
+    def native(unit: WeightUnit) -> torch.dtype:
+        return hf_base.entries[unit.hf_names[0]].dtype if hf_base is not None else weights.tensors[unit.sharded_key][1]
 
     specs = []
-    for unit in units:
-        dtype = _target_dtype(options.dtype, reader.tensors[unit.sharded_key][1])
+    for unit in units if write_model else ():
+        dtype = _target_dtype(options.dtype, native(unit))
         specs += [TensorSpec(name=n, shape=tuple(s), dtype=dtype) for n, s in zip(unit.hf_names, unit.hf_shapes)]
     dtype_of = {s.name: s.dtype for s in specs}
+    # The model: its units in reading groups; the adapters alone: each adapted unit by itself.
+    if not write_model:
+        batches = [[u] for u in units if id(u) in adapted]
+    elif hf_base is not None:
+        batches = [[u] for u in units]
+    else:
+        batches = list(_read_batches(units, weights))
 
-    needed = sum(spec.nbytes for spec in specs) if options.out_dir is not None else 0
+    def read_weights(batch: list[WeightUnit]) -> list[torch.Tensor]:
+        if not write_model:
+            return [None] * len(batch)
+        if hf_base is not None:
+            return [adapter.hf_to_mcore(u, {n: hf_base.read(n) for n in u.hf_names}) for u in batch]
+        return weights.read_many([(u.sharded_key, u.layer, u.expert) for u in batch])
+
+    needed = sum(spec.nbytes for spec in specs)
     peft: dict[str, torch.Tensor] = {}
     with contextlib.ExitStack() as outputs, single_process_group():
-        tmp = outputs.enter_context(_atomic_output_dir(options.out_dir, needed_bytes=needed)) if options.out_dir else None
+        tmp = outputs.enter_context(_atomic_output_dir(options.out_dir, needed_bytes=needed)) if write_model else None
         peft_tmp = outputs.enter_context(_atomic_output_dir(options.peft_dir)) if options.peft_dir else None
         writer = SafetensorsShardWriter(tmp, specs, max_shard_bytes=options.max_shard_bytes) if tmp else None
         try:
-            # Only the adapted units when the model is not written (the adapters alone).
-            wanted = units if tmp is not None else [u for u in units if id(u) in adapted]
-            for batch in _read_batches(wanted, reader):
-                requests = [(u.sharded_key, u.layer, u.expert) for u in batch]
-                requests += [(key, u.layer, None) for u in batch if id(u) in adapted for key in adapter_keys(u)]
-                tensors = reader.read_many(requests)
-                pairs = iter(tensors[len(batch) :])
-                for unit, full in zip(batch, tensors[: len(batch)]):
+            for batch in batches:
+                tensors = read_weights(batch)
+                requests = [(key, u.layer, None) for u in batch if id(u) in adapted for key in adapter_keys(u)]
+                pairs = iter(reader.read_many(requests) if requests else ())
+                for unit, full in zip(batch, tensors):
                     if id(unit) in adapted:
                         a, b = next(pairs), next(pairs)
                         if peft_tmp is not None:
-                            peft.update(peft_tensors(unit, a, b, options.lora))
-                        full = merge_adapter(unit, full, a, b, options.lora)
+                            peft.update(peft_tensors(unit, a, b, lora))
+                        if full is not None:
+                            full = merge_adapter(unit, full, a, b, lora)
                     if writer is not None:
                         for name, tensor in adapter.mcore_to_hf(unit, full):
                             writer.write(name, tensor.to(dtype_of[name]))
@@ -518,7 +548,7 @@ def mcore_to_hf(options: McoreToHfOptions) -> ConversionSummary:
                 writer.close()
         if peft_tmp is not None:
             write_peft_adapter(peft_tmp, {k: v.to(_target_dtype(options.dtype, v.dtype)) for k, v in peft.items()},
-                               options.lora, cfg)  # fmt: skip
+                               lora, cfg)  # fmt: skip
         if tmp is not None:
             # config.json is copied verbatim unless a cast changes the dtype it records.
             copy_aux_files(cfg_dir, tmp, skip=["config.json"] if options.dtype is not None else [])
@@ -528,9 +558,9 @@ def mcore_to_hf(options: McoreToHfOptions) -> ConversionSummary:
                 cfg.update({k: name for k in keys})
                 (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     return ConversionSummary(
-        out_dir=Path(options.out_dir if options.out_dir is not None else options.peft_dir).absolute(),
+        out_dir=Path(options.out_dir if write_model else options.peft_dir).absolute(),
         model_type=dims.model_type,
-        num_tensors=len(specs) if writer is not None else len(peft),
+        num_tensors=len(specs) if write_model else len(peft),
         tensor_bytes=writer.bytes_written if writer is not None else sum(t.nbytes for t in peft.values()),
         seconds=time.perf_counter() - start,
     )

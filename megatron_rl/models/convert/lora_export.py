@@ -49,6 +49,9 @@ class LoRAExport:
     """The update is scaled by ``alpha / rank``."""
     target_modules: tuple[str, ...]
     """megatron's names of the adapted linears (``linear_qkv``, ``linear_proj``, ``linear_fc1``, ``linear_fc2``)."""
+    base_dir: Path | None = None
+    """An adapter-only checkpoint's base weights (a HF directory or a Megatron checkpoint);
+    None: the checkpoint holds them."""
 
     @property
     def scale(self) -> float:
