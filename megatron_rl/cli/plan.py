@@ -19,9 +19,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", metavar="CONFIG", help="run config YAML file (see docs/config.md)")
     parser.add_argument("overrides", nargs="*", metavar="section.field=value", help="override config fields")
     parser.add_argument("--gpu-memory-gb", type=float, default=None, help="GPU memory in GiB to check against")
-    parser.add_argument("--use-te", choices=("auto", "yes", "no"), default="yes",
-                        help="plan for the Transformer-Engine spec (fused attention; default yes: GPU runs use "
-                             "it) or the local spec (no: what CPU runs use)")  # fmt: skip
+    parser.add_argument("--use-te", choices=("auto", "yes", "no"), default=None,
+                        help="plan for the Transformer-Engine spec (fused attention) or the local spec (no: what "
+                             "CPU runs use); default: the spec a GPU run uses, Transformer Engine's unless "
+                             "actor.lora (adapters sit on the local spec's linears)")  # fmt: skip
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
 
 
@@ -36,7 +37,12 @@ def run(args: argparse.Namespace) -> int:
 
     config = load_run_config(args.config, args.overrides)
     arch = Architecture.of_model(config.model)
-    use_te = {"yes": True, "no": False, "auto": te_available()}[args.use_te]
+    lora = config.actor.lora is not None
+    if args.use_te == "yes" and lora:
+        print("error: --use-te yes: a LoRA actor (actor.lora) uses the local spec; plan it with --use-te no",
+              file=sys.stderr)  # fmt: skip
+        return EXIT_FAILURE
+    use_te = {"yes": True, "no": False, "auto": te_available() and not lora, None: not lora}[args.use_te]
     gpu = int(args.gpu_memory_gb * (1 << 30)) if args.gpu_memory_gb is not None else None
     plan = plan_memory(
         arch, parallel=config.parallel, model=config.model, trainer=config.trainer, actor=config.actor,

@@ -147,3 +147,27 @@ def test_lora_trains_only_the_adapters_and_the_reference_costs_nothing():
     assert adapted["parameters"] == full["parameters"] + 2 * trained  # bf16 adapters beside the frozen base
     for name in ("gradients", "optimizer_state", "reference_policy"):
         assert full[name] > 10 * adapted[name], name
+
+
+EXAMPLE_72B_LORA = REPO / "examples" / "kk_logic" / "ar_lopti_72b_lora.yaml"
+QWEN25_72B = REPO / "examples" / "architectures" / "qwen2.5-72b.json"
+
+
+def test_the_72b_lora_example_fits_one_node_of_8x80gb_and_is_planned_on_the_local_spec():
+    """Full-parameter 72B is planned on 64 GPUs (docs/multinode.md); with LoRA one 8-GPU node
+    holds the actor and its colocated engine. The plan is the local spec's (a LoRA actor's),
+    not Transformer Engine's: ``--use-te yes`` is refused for it."""
+    def plan(*args):
+        cmd = [sys.executable, "-m", "megatron_rl", "plan", str(EXAMPLE_72B_LORA), f"model.hf_config={QWEN25_72B}", *args]
+        return subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=300)
+
+    config = load_run_config(EXAMPLE_72B_LORA, [f"model.hf_config={QWEN25_72B}"])
+    assert config.parallel.num_actor_ranks == 8 and config.rollout.num_engines * config.rollout.tensor_parallel_size == 8
+    fits = plan("--gpu-memory-gb", "80", "--json")
+    assert fits.returncode == 0, fits.stderr
+    got = json.loads(fits.stdout)
+    assert got["fits"] and got["total_bytes"] <= 80 * 2**30 and got["components_bytes"]["reference_policy"] == 0
+    assert any("local spec" in n for n in got["notes"]) and any("LoRA rank 64" in n for n in got["notes"])
+    assert plan("--gpu-memory-gb", "40").returncode == 1  # not on 40-GB GPUs (the weight sync alone needs more)
+    refused = plan("--use-te", "yes")
+    assert refused.returncode == 1 and "--use-te yes: a LoRA actor (actor.lora) uses the local spec" in refused.stderr
