@@ -70,10 +70,11 @@ def saved_bytes(case: dict, groups) -> int:
 
 
 def main() -> int:
-    for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29573"), ("RANK", "0"),
+    import actor_memory
+
+    for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(actor_memory.free_port())), ("RANK", "0"),
                        ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):  # fmt: skip
         os.environ.setdefault(key, value)
-    import actor_memory
     import torch
 
     from megatron_rl.actor.launch import init_process_group, initialize_parallel

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.dist_utils import run_on_ranks
+from tests.dist_utils import free_port, run_on_ranks
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -78,7 +78,7 @@ def test_after_megatrons_in_place_cross_entropy_the_loss_equals_the_fused_op():
     from megatron_rl.ops import LossInputs, VocabParallelOptions, fused_policy_loss
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29613")
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
     created = not dist.is_initialized()
     if created:
         dist.init_process_group("gloo", rank=0, world_size=1)
