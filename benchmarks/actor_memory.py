@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -41,14 +40,6 @@ DEFAULT_CASE = {
     "tp": 1, "pp": 1, "sp": False, "dtype": "float32", "loss_impl": "fused_linear", "recompute": "none",
     "seq_len": 512, "seqs": 4, "reference": "none", "chunk_tokens": None, "warmup_steps": 1, "lora_rank": 0,
 }  # fmt: skip
-
-
-def free_port() -> int:
-    """A TCP port free now on this host (a single-rank group's rendezvous: two benchmark or
-    test processes side by side must not share one)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class PeakRSS:
@@ -144,8 +135,7 @@ def spec_of(case: dict, world: int):
 
 def run_case(case: dict) -> dict:
     """Build the actor (and reference), run one train step, measure; rank 0's report."""
-    for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(free_port())), ("RANK", "0"),
-                       ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):  # fmt: skip
+    for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):  # fmt: skip
         os.environ.setdefault(key, value)
     import torch
     import torch.distributed as dist

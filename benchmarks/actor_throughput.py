@@ -64,10 +64,6 @@ def step_flops(cfg: dict, tokens: int, seq_len: int) -> float:
 
 
 def _init_single_process() -> None:
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    from megatron_rl.weight_sync.transports.gloo import free_port
-
-    os.environ.setdefault("MASTER_PORT", str(free_port()))
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
     os.environ.setdefault("LOCAL_RANK", "0")

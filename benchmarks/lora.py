@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from actor_memory import DEFAULT_CASE, PeakRSS, free_port, launch_case, spec_of  # noqa: E402
+from actor_memory import DEFAULT_CASE, PeakRSS, launch_case, spec_of  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 SHAPES = {"small": {"hidden": 512, "ffn": 1408, "layers": 2, "heads": 8, "kv_heads": 2},
@@ -45,8 +45,7 @@ RANKS = (0, 16, 64)
 
 def run_case(case: dict, *, steps: int) -> dict:
     """One rank: build the actor (and, full-parameter, its reference copy), time ``steps`` train steps."""
-    for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(free_port())), ("RANK", "0"),
-                       ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):  # fmt: skip
+    for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):  # fmt: skip
         os.environ.setdefault(key, value)
     import torch
     import torch.distributed as dist

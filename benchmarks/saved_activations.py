@@ -72,8 +72,7 @@ def saved_bytes(case: dict, groups) -> int:
 def main() -> int:
     import actor_memory
 
-    for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(actor_memory.free_port())), ("RANK", "0"),
-                       ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):  # fmt: skip
+    for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):  # fmt: skip
         os.environ.setdefault(key, value)
     import torch
 

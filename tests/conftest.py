@@ -71,14 +71,6 @@ def pytest_itemcollected(item):
         _TIER_OF[item.nodeid] = tier
 
 
-def pytest_sessionstart(session):
-    # .ci/run starts the megatron-core matrix beside this session once it has started (the
-    # environment is installed by then): the file this variable names says so.
-    started = os.environ.get("MEGATRON_RL_SESSION_STARTED")
-    if started:
-        open(started, "a").close()
-
-
 def pytest_terminal_summary(terminalreporter):
     if _TIER_SECONDS:
         parts = ", ".join(f"{tier} {seconds:.0f} s" for tier, seconds in sorted(_TIER_SECONDS.items()))

@@ -98,7 +98,8 @@ def init_process_group(
     """Initialise torch.distributed once per process (a no-op when already initialised).
 
     ``backend=None`` picks ``nccl`` when CUDA is available, else ``gloo``. Rank and world
-    size default to the ``RANK`` / ``WORLD_SIZE`` environment variables (env:// init).
+    size default to the ``RANK`` / ``WORLD_SIZE`` environment variables (env:// init); a
+    world of one without ``MASTER_PORT`` uses an in-memory store instead.
     On CUDA the device is set from ``LOCAL_RANK``.
     """
     if dist.is_initialized():
@@ -107,11 +108,16 @@ def init_process_group(
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    kwargs = {}
+    kwargs: dict = {}
     if rank is not None:
         kwargs["rank"] = rank
     if world_size is not None:
         kwargs["world_size"] = world_size
+    alone = (world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))) == 1
+    if alone and "MASTER_PORT" not in os.environ:
+        # One process and no rendezvous given (a benchmark, a script): an in-memory store.
+        # A TCP port picked as free can be taken by another process before the store binds it.
+        kwargs.update(store=dist.HashStore(), rank=0, world_size=1)
     dist.init_process_group(backend, timeout=datetime.timedelta(minutes=timeout_minutes), **kwargs)
 
 

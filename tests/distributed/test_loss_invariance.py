@@ -6,8 +6,7 @@ the ranks and the gradient is divided by the global count once (what megatron-co
 ``calculate_per_token_loss`` does). The result must equal the single-batch gradient.
 """
 
-import os
-import socket
+import tempfile
 
 import pytest
 import torch
@@ -29,6 +28,7 @@ from megatron_rl.algo import (
     stapo_entropy_threshold,
 )
 from megatron_rl.algo.methods.stapo import STAPO_THRESHOLD_KEY
+from tests.dist_utils import file_store_url
 
 NUM_SEQS, SEQ_LEN, HIDDEN, VOCAB, TEMPERATURE = 16, 8, 6, 11, 0.7
 
@@ -135,9 +135,8 @@ def microbatch_mean_reference(num_microbatches, world):
     return w.grad
 
 
-def _worker(rank, world, port, results):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+def _worker(rank, world, store_url, results):
+    dist.init_process_group("gloo", init_method=store_url, rank=rank, world_size=world)
     try:
         group = dist.group.WORLD
         for name, cfg in CONFIGS.items():
@@ -156,17 +155,11 @@ def _worker(rank, world, port, results):
         dist.destroy_process_group()
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_gradients_invariant_to_dp_ranks_and_microbatches(world):
-    with mp.Manager() as manager:
+    with mp.Manager() as manager, tempfile.TemporaryDirectory() as rendezvous:
         results = manager.list()
-        mp.spawn(_worker, args=(world, _free_port(), results), nprocs=world, join=True)
+        mp.spawn(_worker, args=(world, file_store_url(rendezvous), results), nprocs=world, join=True)
         results = list(results)
     assert len(results) == (len(CONFIGS) + 1) * 3
     bad = [r for r in results if not r[2] < 1e-12]

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.dist_utils import free_port, run_on_ranks
+from tests.dist_utils import run_on_ranks
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -68,8 +68,6 @@ def test_after_megatrons_in_place_cross_entropy_the_loss_equals_the_fused_op():
     """fused_loss.py's megatron_careful order: the entropy, then megatron's cross-entropy,
     which overwrites float32 logits in place with its softmax (the entropy's backward does
     not read them). Loss and logits gradient equal the fused op's on the same inputs."""
-    import os
-
     import torch.distributed as dist
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
@@ -77,11 +75,9 @@ def test_after_megatrons_in_place_cross_entropy_the_loss_equals_the_fused_op():
     from megatron_rl.algo import AlgorithmConfig, compute_policy_loss
     from megatron_rl.ops import LossInputs, VocabParallelOptions, fused_policy_loss
 
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(free_port()))
     created = not dist.is_initialized()
-    if created:
-        dist.init_process_group("gloo", rank=0, world_size=1)
+    if created:  # one process: an in-memory store, no TCP port to pick
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
     try:
         g = torch.Generator().manual_seed(1)
