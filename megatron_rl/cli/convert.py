@@ -188,7 +188,7 @@ def recorded_lora(mcore_dir: Path, *, need_base: bool = False):
 
     from megatron_rl.models.convert.lora_export import LoRAExport
     from megatron_rl.models.weight_units import ConversionError
-    from megatron_rl.storage.checkpoints import BASE_WEIGHTS_KEY, STATE_FILE, weights_fingerprint
+    from megatron_rl.storage.checkpoints import BASE_WEIGHTS_KEY, STATE_FILE, CheckpointError, verify_base_weights
 
     path = Path(mcore_dir) / STATE_FILE
     if not path.is_file():
@@ -202,13 +202,11 @@ def recorded_lora(mcore_dir: Path, *, need_base: bool = False):
                             base_dir=None if base is None else Path(base["path"]))  # fmt: skip
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise ConversionError(f"{path}: cannot read its 'lora' record: {type(e).__name__}: {e}") from None
-    if need_base and base is not None:
-        if not export.base_dir.is_dir():
-            raise ConversionError(f"checkpoint {mcore_dir} holds LoRA adapters only; their base weights, "
-                                  f"{export.base_dir} (its {STATE_FILE}), are gone")  # fmt: skip
-        if weights_fingerprint(export.base_dir) != base["fingerprint"]:
-            raise ConversionError(f"checkpoint {mcore_dir} holds LoRA adapters only, trained over other weights than "
-                                  f"those now in {export.base_dir} (the fingerprint its {STATE_FILE} records differs)")  # fmt: skip
+    if need_base:
+        try:
+            verify_base_weights(mcore_dir)
+        except CheckpointError as e:
+            raise ConversionError(f"checkpoint {e}") from None
     return export
 
 

@@ -47,10 +47,9 @@ from megatron_rl.storage.checkpoints import (
     CheckpointError,
     ResumeChoice,
     base_reference,
-    base_weights_of,
     choose_checkpoint,
+    verify_base_weights,
     verify_checkpoint,
-    weights_fingerprint,
 )
 from megatron_rl.tasks import Task
 
@@ -283,17 +282,10 @@ def _check_initial_weights(config: RunConfig) -> None:
     path = Path(source)
     # The same two kinds the actor group tells apart when it loads them.
     if ((path / "config.json").is_file() and any(path.glob("*.safetensors"))) or (path / "metadata.json").is_file():
-        try:
-            base = base_weights_of(path)
+        try:  # an adapter-only LoRA checkpoint: its base must still be there, unchanged
+            verify_base_weights(path)
         except CheckpointError as e:
             raise ConfigError("model.checkpoint", str(e)) from None
-        gone = base is not None and not Path(base["path"]).is_dir()
-        if base is not None and (gone or weights_fingerprint(base["path"]) != base["fingerprint"]):
-            raise ConfigError(
-                "model.checkpoint",
-                f"{source!r} holds LoRA adapters only, trained over the base weights of {base['path']}, "
-                "which are gone or changed since (their fingerprint differs)",
-            )
         return
     raise ConfigError(
         "model.checkpoint" if config.model.checkpoint else "model.hf_config",

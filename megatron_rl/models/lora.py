@@ -50,6 +50,8 @@ from megatron.core.tensor_parallel import mappings
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.spec_utils import ModuleSpec
 
+from megatron_rl.models.convert.lora_export import ADAPTER_SUFFIXES
+
 __all__ = [
     "TARGET_MODULES",
     "LoRAColumnParallelLinear",
@@ -66,8 +68,6 @@ TARGET_MODULES = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 """The dense layer's linear layers an adapter can sit on (megatron's names): attention's
 fused QKV and output projections, the MLP's fused gate/up and down projections."""
 
-ADAPTER_SUFFIXES = (".lora_a", ".lora_b")
-"""How an adapter parameter's name ends (``...linear_qkv.lora_a``): not a base-model weight."""
 
 
 @dataclass(frozen=True, kw_only=True)

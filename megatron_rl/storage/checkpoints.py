@@ -42,6 +42,7 @@ __all__ = [
     "CheckpointError",
     "base_weights_of",
     "base_reference",
+    "verify_base_weights",
     "weights_fingerprint",
     "ResumeChoice",
     "checkpoint_step",
@@ -209,6 +210,22 @@ def base_weights_of(directory: str | os.PathLike) -> dict[str, str] | None:
     if base is not None and not (isinstance(base, dict) and isinstance(base.get("path"), str)
                                  and isinstance(base.get("fingerprint"), str)):  # fmt: skip
         raise CheckpointError(directory, f"{STATE_FILE} has a malformed {BASE_WEIGHTS_KEY!r}: {base!r}")
+    return base
+
+
+def verify_base_weights(directory: str | os.PathLike) -> dict[str, str] | None:
+    """:func:`base_weights_of`, checked: the base an adapter-only checkpoint names is still
+    where it says, with the fingerprint it records (else :class:`CheckpointError` saying which)."""
+    base = base_weights_of(directory)
+    if base is None:
+        return None
+    here = Path(base["path"])
+    if not here.is_dir():
+        raise CheckpointError(directory, f"holds LoRA adapters only; their base weights, {here} (its {STATE_FILE}), "
+                                         "are gone")  # fmt: skip
+    if weights_fingerprint(here) != base["fingerprint"]:
+        raise CheckpointError(directory, f"holds LoRA adapters only, trained over other weights than those now in "
+                                         f"{here} (the fingerprint its {STATE_FILE} records differs)")  # fmt: skip
     return base
 
 

@@ -163,18 +163,13 @@ def _convert_checks(work: Path, base_hf_dir: str, hf_reference, batch, saved_log
     model in transformers, and the PEFT adapter loaded by ``peft`` over the HF base model, each
     against the actor's log-probs at that checkpoint; the merged weights against the base
     weights plus ``(alpha / r) B A`` of the PEFT tensors."""
-    import subprocess
-    import sys
-
     import torch
     from peft import PeftModel
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
     merged_dir, peft_dir = work / "lora_convert_merged", work / "lora_convert_peft"
-    cmd = [sys.executable, "-m", "megatron_rl", "convert", "mcore-to-hf", "--mcore", str(work / "lora_ckpt" / "step_1"),
-           "--out", str(merged_dir), "--peft-out", str(peft_dir)]  # fmt: skip
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    done = _convert(work / "lora_ckpt" / "step_1", "--out", str(merged_dir), "--peft-out", str(peft_dir))
     out: dict = {"exit": done.returncode, "output": (done.stdout + done.stderr)[-2000:]}
     if done.returncode != 0:
         return out
@@ -209,15 +204,19 @@ def _convert_checks(work: Path, base_hf_dir: str, hf_reference, batch, saved_log
 def _convert_over_hf_base(work: Path, want: dict, max_diff) -> float | str:
     """``convert mcore-to-hf --out`` of the TP=2 x PP=2 adapter-only checkpoint, whose base is
     the HF safetensors: its merged weights against TP=1's after the same two steps."""
-    import subprocess
-    import sys
-
     from safetensors.torch import load_file
 
     out = work / "lora_convert_over_hf"
-    cmd = [sys.executable, "-m", "megatron_rl", "convert", "mcore-to-hf", "--mcore", str(work / "lora_ckpt_hf" / "step_2"),
-           "--out", str(out)]  # fmt: skip
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    done = _convert(work / "lora_ckpt_hf" / "step_2", "--out", str(out))
     if done.returncode != 0:
         return (done.stdout + done.stderr)[-2000:]
     return max_diff(load_file(str(out / "model.safetensors")), want)
+
+
+def _convert(checkpoint: Path, *outputs: str):
+    """``megatron-rl convert mcore-to-hf --mcore CHECKPOINT OUTPUTS...`` in a process of its own."""
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "megatron_rl", "convert", "mcore-to-hf", "--mcore", str(checkpoint), *outputs]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300)

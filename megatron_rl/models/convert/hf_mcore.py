@@ -51,7 +51,7 @@ import torch
 
 from megatron_rl.models.common import DecoderAdapter, ModelDims, padded_vocab_size
 from megatron_rl.models.convert.lora_export import (
-    ADAPTER_KEY_SUFFIXES,
+    ADAPTER_SUFFIXES,
     LoRAExport,
     adapted_units,
     adapter_keys,
@@ -393,8 +393,8 @@ def _check_mcore_tensors(reader, units: list[WeightUnit], dims: ModelDims, cfg_p
                     raise ConversionError(f"Megatron checkpoint {reader.directory} is missing adapter tensor '{key}' "
                                           f"(its actor_state.json records LoRA on {list(lora.target_modules)})")  # fmt: skip
                 expected.add(key)
-    elif any(k.endswith(ADAPTER_KEY_SUFFIXES) for k in reader.tensors):
-        key = next(k for k in reader.tensors if k.endswith(ADAPTER_KEY_SUFFIXES))
+    elif any(k.endswith(ADAPTER_SUFFIXES) for k in reader.tensors):
+        key = next(k for k in reader.tensors if k.endswith(ADAPTER_SUFFIXES))
         raise ConversionError(f"Megatron checkpoint {reader.directory} holds LoRA adapters ('{key}') but records no "
                               "LoRA settings (actor_state.json 'lora'): cannot merge them")  # fmt: skip
     for unit in units if weights else ():

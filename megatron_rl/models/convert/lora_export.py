@@ -29,11 +29,13 @@ import torch
 
 from megatron_rl.models.weight_units import ConversionError, WeightUnit, mcore_to_hf
 
-__all__ = ["ADAPTER_KEY_SUFFIXES", "LoRAExport", "adapter_keys", "adapted_units", "merge_adapter", "peft_tensors",
+__all__ = ["ADAPTER_SUFFIXES", "LoRAExport", "adapter_keys", "adapted_units", "merge_adapter", "peft_tensors",
            "write_peft_adapter"]  # fmt: skip
 
-ADAPTER_KEY_SUFFIXES = (".lora_a", ".lora_b")
-"""How the checkpoint keys of the adapter tensors end."""
+ADAPTER_SUFFIXES = (".lora_a", ".lora_b")
+"""How an adapter's parameter names and checkpoint keys end (``...linear_qkv.lora_a``): not a
+base-model weight. Here, free of megatron, so the converter needs no megatron import;
+:mod:`megatron_rl.models.lora` names its parameters by it."""
 
 PEFT_PREFIX = "base_model.model."
 """What PEFT puts before a causal LM's own parameter names."""
@@ -66,8 +68,8 @@ def adapted_units(units: Sequence[WeightUnit], lora: LoRAExport) -> list[WeightU
 
 def adapter_keys(unit: WeightUnit) -> tuple[str, str]:
     """The checkpoint keys of ``unit``'s adapter: ``(...lora_a, ...lora_b)``."""
-    stem = unit.sharded_key.removesuffix("weight")
-    return f"{stem}lora_a", f"{stem}lora_b"
+    stem = unit.sharded_key.removesuffix(".weight")
+    return tuple(stem + suffix for suffix in ADAPTER_SUFFIXES)
 
 
 def _check_adapter(unit: WeightUnit, a: torch.Tensor, b: torch.Tensor, rank: int) -> None:
