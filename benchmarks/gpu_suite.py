@@ -22,7 +22,9 @@ Cases (``--cases``, default all):
              useful TFLOP/s (6 T H V) and the time over the GEMM floor.
 ``actor``    the Megatron actor's ``train_step`` on a ~1B Qwen2-shaped random-init model
              (bf16, local spec; and the TE spec when ``transformer_engine`` imports, else a
-             ``skipped`` line): tokens/s and MFU against the measured bf16 GEMM peak.
+             ``skipped`` line; and the local spec with rank-16 LoRA adapters on every
+             linear, ``spec: lora``): tokens/s and MFU against the measured bf16 GEMM peak,
+             peak memory, trainable parameters.
 ``engine``   the built-in HF engine (``megatron_rl.rollout.engines.hf.HFEngine``) on the same
              model: generated tokens/s.
 ``logprob``  log-prob agreement: the actor (fp32 and bf16) vs a float64 CPU ``transformers``

@@ -210,13 +210,16 @@ def case_linear(suite: Suite) -> None:
 # ----------------------------------------------------------------------------- case 3: the actor
 
 
-def _actor(suite: Suite, architecture, *, dtype: str, use_te: bool, microbatch_tokens: int, kl: bool = False):
+def _actor(
+    suite: Suite, architecture, *, dtype: str, use_te: bool, microbatch_tokens: int, kl: bool = False,
+    lora_rank: int | None = None,
+):  # fmt: skip
     from megatron_rl.actor.actor import MegatronActor
     from megatron_rl.actor.spec import ActorSpec
     from megatron_rl.algo import AlgorithmConfig
     from megatron_rl.config.model import ModelOptions
     from megatron_rl.config.parallel import ParallelConfig
-    from megatron_rl.config.trainer import TrainerConfig
+    from megatron_rl.config.trainer import ActorConfig, LoRAConfig, TrainerConfig
 
     suite.ensure_dist()
     suite._dist = False  # the actor re-initialises megatron's parallel state itself
@@ -227,6 +230,7 @@ def _actor(suite: Suite, architecture, *, dtype: str, use_te: bool, microbatch_t
             model=ModelOptions(dtype=dtype, use_te=use_te),
             trainer=TrainerConfig(lr=1e-6, max_tokens_per_microbatch=microbatch_tokens),
             algorithm=AlgorithmConfig(kl_coef=0.001 if kl else 0.0),
+            actor=ActorConfig(lora=None if lora_rank is None else LoRAConfig(rank=lora_rank, alpha=2.0 * lora_rank)),
         )
     )
 
@@ -244,7 +248,9 @@ def case_actor(suite: Suite) -> None:
         te_reason = "Transformer Engine needs CUDA"
     elif importlib.util.find_spec("transformer_engine") is None:
         te_reason = "transformer_engine is not importable on this machine"
-    for spec_name in ("local", "te"):
+    # "lora": the local spec with rank-16 adapters on every linear (docs/lora.md): memory and
+    # time against the full-parameter "local" row of the same run.
+    for spec_name in ("local", "te", "lora"):
         if spec_name == "te" and te_reason:
             suite.emit(
                 "actor",
@@ -265,8 +271,9 @@ def case_actor(suite: Suite) -> None:
             try:
                 t0 = time.perf_counter()
                 actor = _actor(
-                    suite, dict(cfg), dtype=s.actor_dtype, use_te=spec_name == "te", microbatch_tokens=budget
-                )
+                    suite, dict(cfg), dtype=s.actor_dtype, use_te=spec_name == "te", microbatch_tokens=budget,
+                    lora_rank=16 if spec_name == "lora" else None,
+                )  # fmt: skip
                 build_s = time.perf_counter() - t0
                 g = torch.Generator().manual_seed(0)
                 ids = torch.randint(0, cfg["vocab_size"], (n, length), generator=g)
@@ -288,6 +295,7 @@ def case_actor(suite: Suite) -> None:
                 # the first step allocates Adam's state: warm-up
                 times = suite.timed(step, warmup=1, repeats=s.actor_steps)
                 peak = suite.peak_since(base)
+                trainable = sum(p.numel() for p in actor.model.parameters() if p.requires_grad)
                 break
             except Exception as exc:  # noqa: BLE001
                 if not (_is_oom(exc) and oom_retries < 2 and budget > length):
@@ -307,6 +315,7 @@ def case_actor(suite: Suite) -> None:
         mfu = flops / step_s / measured if measured else None
         suite.emit(
             "actor", f"{spec_name} spec", spec=spec_name, dtype=s.actor_dtype, params=params,
+            trainable_params=trainable,
             layers=cfg["num_hidden_layers"], hidden=cfg["hidden_size"], vocab=cfg["vocab_size"],
             sequences=n, seq_len=length, tokens_per_step=tokens, microbatch_tokens=budget, oom_retries=oom_retries,
             microbatches=metrics.get("actor/num_microbatches"), build_s=build_s, compute_logprobs_s=logprob_s,

@@ -347,23 +347,29 @@ class MegatronActor(PolicyModel):
             adapters_only=self.base_weights is not None,
         )
 
-    def load_checkpoint(self, directory: str | Path, *, load_optimizer: bool | None = None, load_rng: bool = True) -> dict:
+    def load_checkpoint(
+        self, directory: str | Path, *, load_optimizer: bool | None = None, weights_only: bool = False
+    ) -> dict:
         """Load a checkpoint written by :meth:`save_checkpoint` at any TP/PP (weights always;
         optimizer state when TP/PP match or it was saved ``fully_reshardable``, see
         ``actor.checkpoint``), or a weights-only converted checkpoint. ``directory`` may be
-        the checkpoint or its parent with a ``latest`` pointer. Restores counters and the
-        LR schedule when present. Collective."""
+        the checkpoint or its parent with a ``latest`` pointer (``load_optimizer``: as
+        ``actor.checkpoint.load_checkpoint``'s). Restores counters, the LR schedule and the
+        RNG states when present, unless ``weights_only`` (a run's initial weights,
+        ``model.checkpoint``: its optimizer state and settings are the run's own). Collective."""
         record = ckpt.load_checkpoint(
             directory,
             model=self.model,
             optimizer=self.optimizer,
             groups=self.groups,
-            load_optimizer=load_optimizer,
-            load_rng=load_rng,
+            load_optimizer=False if weights_only else load_optimizer,
+            load_rng=not weights_only,
             base=self.base_weights,
         )
         if record["loaded_as_base"]:  # a model without adapters: this LoRA actor's base
             self.base_weights = base_reference(ckpt.resolve_checkpoint_dir(directory))
+        if weights_only:  # (the load refreshed the optimizer's master weights)
+            return record
         set_adam_kernel(self.optimizer, self.spec.actor.optimizer_kernel)  # the load restored the saved groups' options
         self.train_steps = int(record.get("train_steps", 0))
         self.optimizer_steps = int(record.get("optimizer_steps", 0))

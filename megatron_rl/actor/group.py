@@ -259,6 +259,11 @@ class ActorGroup:
             for ref in self._stream(stream, rank, "stream_weight_buckets"):  # none: other ranks only gather
                 ray.get(ref)  # raises if the rank failed
 
+    def adapter_update(self) -> Any:
+        """The LoRA adapters of the whole model, gathered to rank 0 (``rollout.lora_sync:
+        adapter``): a ``weight_sync.adapters.AdapterUpdate``."""
+        return self._all("adapter_update")
+
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         return self._all("hf_state_dict")
 

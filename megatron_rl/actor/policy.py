@@ -46,7 +46,7 @@ from megatron_rl.actor.model import (
 from megatron_rl.actor.router_losses import RouterLossMeter
 from megatron_rl.actor.routing_replay import RoutingReplay
 from megatron_rl.actor.spec import ActorSpec
-from megatron_rl.actor.weights import HFWeightSource, iter_hf_weights, load_hf_weights
+from megatron_rl.actor.weights import HFWeightSource, gather_adapters, iter_hf_weights, load_hf_weights
 from megatron_rl.algo import AlgorithmConfig, LossOutput
 from megatron_rl.models import adapter_for_config, padded_vocab_size
 from megatron_rl.ops import (
@@ -380,11 +380,29 @@ class PolicyModel:
 
     def weight_source(self, *, dtype: torch.dtype, every_rank: bool = False) -> HFWeightSource:
         """The HF-named weights in ``dtype`` as a weight-transfer source (``actor.weights``):
-        full tensors on global rank 0 only, or on ``every_rank``."""
+        full tensors on global rank 0 only, or on ``every_rank``. A LoRA policy's adapted
+        weights are merged, or with ``rollout.lora_sync: adapter`` the base weights alone
+        (the engines take the adapters from :meth:`adapter_update`)."""
         return HFWeightSource(
             self.model,
             dtype=dtype,
             every_rank=every_rank,
+            merge_adapters=self.spec.rollout.lora_sync == "merged",
+            adapter=self.adapter,
+            hf_config=self.hf_config,
+            padded_vocab_size=self.padded_vocab_size,
+            groups=self.groups,
+            gated_linear_unit=bool(self.transformer_config.gated_linear_unit),
+        )
+
+    def adapter_update(self):
+        """The adapters as PEFT tensors on global rank 0 (``weight_sync.adapters.AdapterUpdate``),
+        ``None`` elsewhere; collective on every rank (``actor.weights.gather_adapters``)."""
+        if self.spec.lora is None:
+            raise RuntimeError("adapter_update(): this policy has no LoRA adapters (actor.lora)")
+        return gather_adapters(
+            self.model,
+            lora=self.spec.lora,
             adapter=self.adapter,
             hf_config=self.hf_config,
             padded_vocab_size=self.padded_vocab_size,

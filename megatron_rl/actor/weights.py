@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -39,6 +39,9 @@ import torch.distributed as dist
 from megatron_rl.actor.launch import ProcessGroups
 from megatron_rl.models import DecoderAdapter, canonical_mcore_name
 from megatron_rl.weight_sync.meta import TensorMeta
+
+if TYPE_CHECKING:
+    from megatron_rl.weight_sync.adapters import AdapterUpdate
 
 __all__ = [
     "HFWeightSource",
@@ -50,6 +53,7 @@ __all__ = [
     "iter_hf_weight_buckets",
     "iter_hf_weights",
     "load_hf_weights",
+    "gather_adapters",
 ]
 
 _LAYER_PREFIX = "decoder.layers."
@@ -207,6 +211,7 @@ def iter_hf_weight_buckets(
     gated_linear_unit: bool = True,
     bucket_bytes: int = 512 * 2**20,
     to_first_rank: bool = False,
+    merge_adapters: bool = True,
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Yield buckets ``[(hf_name, full tensor), ...]`` covering the whole HF state dict.
 
@@ -225,6 +230,10 @@ def iter_hf_weight_buckets(
     sync then costs one unit's full tensor on the sending rank and nothing beyond its
     shards elsewhere. Without ``to_first_rank``, an expert held by another expert-parallel
     rank is broadcast over ``groups.ep`` from the rank that holds it.
+
+    A LoRA model's adapted weights are sent merged (``W + (alpha/r) B A``), or, without
+    ``merge_adapters``, as the frozen base ``W`` (``rollout.lora_sync: adapter``: the engines
+    take the adapters separately, :func:`gather_adapters`).
     """
     if bucket_bytes < 1:
         raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
@@ -234,7 +243,7 @@ def iter_hf_weight_buckets(
     first_copy = groups.ep_size > 1 and _in_first_expert_copy(groups)
     if to_first_rank and groups.dp_rank != 0 and not first_copy:
         return
-    local = global_parameters(model, adapter, merge_adapters=True)
+    local = global_parameters(model, adapter, merge_adapters=merge_adapters)
     owners = _ownership(local, groups)
     units = adapter.weight_units(hf_config, padded_vocab_size=padded_vocab_size)
     bucket: list[tuple[str, torch.Tensor]] = []
@@ -473,3 +482,50 @@ class HFWeightSource:
         stream = iter_hf_weights(self.model, bucket_bytes=1, to_first_rank=not self.every_rank, **self.kwargs)
         for name, tensor in stream:
             yield name, tensor if tensor.dtype == self.dtype else tensor.to(self.dtype)
+
+
+def gather_adapters(
+    model: torch.nn.Module, *, lora: Any, adapter: DecoderAdapter, hf_config: Mapping[str, Any],
+    padded_vocab_size: int, groups: ProcessGroups, gated_linear_unit: bool = True,
+) -> AdapterUpdate | None:  # fmt: skip
+    """The LoRA adapters of the whole model (``lora``: ``models.lora.LoRASettings``) as PEFT
+    tensors on global rank 0 (``rollout.lora_sync: adapter``); ``None`` on every other rank.
+
+    Collectives: within DP replica 0, per adapted linear, a gather of the TP-split adapter
+    matrix to TP rank 0 (B of a column-parallel linear by rows, SwiGLU fc1's ``[gate_t; up_t]``
+    rows joined as W's are; A of a row-parallel one by columns), then one object gather of
+    each stage's adapters over ``groups.pp`` to stage 0. Other replicas take part in nothing
+    (they hold the same adapters). The fused linears become HF's projections on rank 0
+    (``models.convert.lora_export.peft_tensors``: each projection A whole, its rows of B).
+    """
+    from megatron_rl.models.convert.lora_export import LoRAExport, adapted_units, peft_tensors
+    from megatron_rl.weight_sync.adapters import AdapterUpdate
+
+    if groups.dp_rank != 0:
+        return None
+    mine: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    for name, module in global_parameters(model, adapter, merge_adapters=True).merged.items():
+        # ``name`` is the adapted weight's: B of fc1 is then joined as the weight's rows are.
+        a = gather_tp_shards_to_first(name, module.lora_a, groups=groups, gated_linear_unit=gated_linear_unit)
+        b = gather_tp_shards_to_first(name, module.lora_b, groups=groups, gated_linear_unit=gated_linear_unit)
+        if a is not None:
+            mine[name] = (a.float().cpu(), b.float().cpu())
+    if groups.tp_rank != 0:
+        return None
+    stages: list[Any] = [mine]
+    if groups.pp_size > 1:
+        first = groups.pp_global_ranks[0]
+        stages = [None] * groups.pp_size if groups.pp_rank == 0 else None
+        dist.gather_object(mine, stages, dst=first, group=groups.pp)
+        if groups.pp_rank != 0:
+            return None
+    gathered = {name: pair for stage in stages for name, pair in stage.items()}
+    export = LoRAExport(rank=lora.rank, alpha=lora.alpha, target_modules=tuple(lora.target_modules))
+    tensors: dict[str, torch.Tensor] = {}
+    for unit in adapted_units(adapter.weight_units(hf_config, padded_vocab_size=padded_vocab_size), export):
+        if unit.mcore_name not in gathered:
+            raise KeyError(f"no pipeline stage holds the adapter of '{unit.mcore_name}'")
+        tensors.update(peft_tensors(unit, *gathered.pop(unit.mcore_name), export))
+    if gathered:
+        raise KeyError(f"adapters of no HF projection: {sorted(gathered)[:3]} ({len(gathered)} in all)")
+    return AdapterUpdate(rank=lora.rank, alpha=lora.alpha, tensors=tensors)

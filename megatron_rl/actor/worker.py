@@ -155,8 +155,8 @@ class ActorWorker:
             self.actor.load_hf_weights(source)
             if self._reference_weights is not None:
                 self._reference_weights.load_hf_weights(source)
-        else:
-            self.actor.load_checkpoint(source)
+        else:  # the weights alone: counters, LR schedule, optimizer state and RNG are the run's own
+            self.actor.load_checkpoint(source, weights_only=True)
             if self._reference_weights is not None:
                 self._reference_weights.load_weights_checkpoint(source)
 
@@ -213,6 +213,12 @@ class ActorWorker:
         sender, self.sender = getattr(self, "sender", None), None
         if sender is not None:
             sender.shutdown()
+
+    def adapter_update(self) -> Any:
+        """The LoRA adapters as PEFT tensors (``weight_sync.adapters.AdapterUpdate``) on rank 0,
+        ``None`` elsewhere (collective on every rank)."""
+        self.transitions.append((time.time(), "sync"))
+        return self.actor.adapter_update()
 
     def hf_state_dict(self) -> dict[str, torch.Tensor] | None:
         """All HF-named tensors on rank 0 (for small models and tests); ``None`` elsewhere."""

@@ -144,6 +144,14 @@ class RolloutConfig(SamplingSettings):
     GPUs only (vLLM 0.32 needs its Triton-based model runner for it: a config error on CPU).
     A dense model is a config error."""
 
+    lora_sync: Literal["merged", "adapter"] = "merged"
+    """How a LoRA actor's weights (``actor.lora``) reach the engines: ``merged`` sends
+    ``W + (alpha / rank) B A`` as ordinary weights at every sync (every engine and
+    transport); ``adapter`` sends the frozen base weights once per engine (through
+    ``weight_transport``) and then only the adapters at each sync, which the engines load
+    as a LoRA adapter (PEFT format) and generate through (vLLM's LoRA path; the vLLM engine
+    only). Without ``actor.lora``, ``adapter`` is a config error."""
+
     num_prompts_per_step: int = 8
     """Prompts drawn from the training data per RL step."""
 
@@ -195,6 +203,10 @@ class RolloutConfig(SamplingSettings):
             if self.num_gpus != self.num_engines * self.tensor_parallel_size:
                 raise ConfigError("num_gpus", f"{self.num_gpus} GPUs do not hold num_engines ({self.num_engines}) x "
                                   f"tensor_parallel_size ({self.tensor_parallel_size}) engine GPUs")  # fmt: skip
+        for key in ("enable_lora", "max_lora_rank", "max_loras"):
+            if key in self.engine_args:
+                raise ConfigError(f"engine_args.{key}", "set rollout.lora_sync: adapter instead (the engines then "
+                                  "load the actor's adapters at every sync, sized by actor.lora.rank)")  # fmt: skip
         for key in ("return_routed_experts", "enable_return_routed_experts"):
             if key in self.engine_args:
                 raise ConfigError(f"engine_args.{key}", "set rollout.routing_replay instead (the actor must replay "
@@ -226,6 +238,9 @@ class RolloutConfig(SamplingSettings):
             raise ConfigError("num_engines", f"{self.num_engines}: engine_process: driver runs one engine")
         if self.tensor_parallel_size != 1:
             raise ConfigError("tensor_parallel_size", "engine_process: driver runs on CPU (use 1)")
+        if self.lora_sync == "adapter":
+            raise ConfigError("lora_sync", "adapter: an engine in the driver's process takes merged weights (use "
+                              "merged, or engine_process: ray_actor with the vllm engine)")  # fmt: skip
         if self.weight_transport not in ("auto", "object_store", "shared_memory"):
             raise ConfigError("weight_transport", f"{self.weight_transport!r}: an engine in the driver's process "
                               "loads weight buckets (use auto, object_store or shared_memory)")  # fmt: skip

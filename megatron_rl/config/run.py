@@ -153,6 +153,9 @@ class RunConfig:
         """What LoRA adapters (``actor.lora``) cannot be combined with (yet)."""
         lora = self.actor.lora
         if lora is None:
+            if self.rollout.lora_sync == "adapter":
+                raise ConfigError("rollout.lora_sync", "adapter: the actor has no adapters (actor.lora is null); "
+                                  "use merged")  # fmt: skip
             return
         if self.model.use_te or self.model.fp8 is not None:
             raise ConfigError(

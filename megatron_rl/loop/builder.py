@@ -260,8 +260,9 @@ def _build_components(
         if config.rollout.engine_process == "driver":
             return LocalRolloutPool(config.rollout, str(engine_dir), torch_threads=engine_group.torch_threads,
                                     weight_format=config.rollout.weight_dtype)  # fmt: skip
+        lora_rank = config.actor.lora.rank if config.rollout.lora_sync == "adapter" else None
         return RolloutPool(config.rollout, str(engine_dir), placement=engine_group, weight_backend=backend,
-                           weight_format=config.rollout.weight_dtype)  # fmt: skip
+                           weight_format=config.rollout.weight_dtype, lora_rank=lora_rank)  # fmt: skip
 
     pool = start_pool() if overlap else None
     if initial is not None:

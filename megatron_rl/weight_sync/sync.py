@@ -14,6 +14,11 @@ Every sync, whatever the transport (``rollout.weight_transport``, resolved by
    between GPUs, vLLM's ``ipc`` for colocated GPUs);
 3. every engine commits the version (``RolloutPool.commit_update``).
 
+A LoRA actor with ``rollout.lora_sync: adapter`` sends the frozen base weights that way
+only at the first sync and after an engine restart (or an engine off the pool's version); every sync
+then gathers the adapters to actor rank 0 (``ActorGroup.adapter_update``) and the engines
+load them through the object store (``RolloutPool.load_adapter``; ``weight_sync.adapters``).
+
 A failure in 2 or 3 aborts every engine's update; engines that had received tensors
 (or died) are restarted, the group is rebuilt, and the sync runs once more; a second
 failure raises :class:`WeightSyncError` naming the version and the cause. An engine that
@@ -73,6 +78,9 @@ def resolve_transport(rollout: RolloutConfig, engine: type, *, cuda: bool) -> tu
     if rollout.tensor_parallel_size > 1 and not cls.tensor_parallel:
         raise ConfigError("rollout.tensor_parallel_size", f"{rollout.tensor_parallel_size}: rollout.engine "
                           f"{rollout.engine!r} has no tensor parallelism (use 1, or the vllm engine)")  # fmt: skip
+    if rollout.lora_sync == "adapter" and not cls.lora_adapters:
+        raise ConfigError("rollout.lora_sync", f"adapter: rollout.engine {rollout.engine!r} loads no LoRA adapters "
+                          "(use merged, or the vllm engine)")  # fmt: skip
     if rollout.weight_dtype not in cls.weight_formats:
         raise ConfigError(
             "rollout.weight_dtype",
@@ -111,6 +119,8 @@ class WeightSync:
         self.metas: list[TensorMeta] = actors.weight_metadata(self.dtype, fp8=self.fp8)
         self._group_key: tuple | None = None
         self._prepared: tuple[int, list[Any]] | None = None  # (version, the actor's pending write)
+        self.adapters = rollout.lora_sync == "adapter"  # base weights once, then adapters only
+        self._base_key: int | None = None  # pool.restarts when the base was last sent to every engine
         if transport == "shared_memory":
             self.transport = self._shared_memory_or_fallback()
         # Collective transports keep no host copy: a restarted engine is restored from the
@@ -134,7 +144,8 @@ class WeightSync:
             except Exception as again:
                 raise WeightSyncError(f"weight sync to version {version} failed twice; last: {again}") from again
         seconds = time.perf_counter() - start
-        num_bytes = sum(m.num_bytes for m in self.metas)
+        num_bytes = sum(m.num_bytes for m in self.metas) if stats.get("weight_sync/base_sent", 1.0) else 0
+        num_bytes += int(stats.get("weight_sync/adapter_bytes", 0))
         return {
             "weight_sync/num_tensors": float(len(self.metas)),
             "weight_sync/num_engines": float(len(self.pool.live_engines)),
@@ -147,6 +158,19 @@ class WeightSync:
         }
 
     def _once(self, version: int) -> dict[str, float]:
+        if not self.adapters:
+            return self._weights_once(version)
+        # The base goes to every engine at the first sync, after a restart the pool saw, and
+        # when an engine is not at the pool's version (Ray restarted it unseen, mid-sync).
+        live, version_now = set(self.pool.live_engines), self.pool.weight_version
+        stale = any(h.get("weight_version") != version_now for i, h in enumerate(self.pool.health()) if i in live)
+        base_sent = stale or self._base_key != self.pool.restarts
+        stats = self._weights_once(version) if base_sent else {}
+        self._base_key = self.pool.restarts
+        stats.update(self.pool.load_adapter(version, self.actors.adapter_update()))
+        return {**stats, "weight_sync/base_sent": float(base_sent)}
+
+    def _weights_once(self, version: int) -> dict[str, float]:
         if self.transport == "object_store":
             buckets = self.actors.weight_buckets(
                 self.bucket_bytes, dtype=self.dtype, max_buffered=self.rollout.pool.max_inflight_buckets, fp8=self.fp8
@@ -168,7 +192,7 @@ class WeightSync:
         (``shared_memory`` only; nothing otherwise): the actor writes as soon as it has
         updated instead of a round trip of the driver later, into the slot the engines are
         not reading (``weight_sync.transports.shm``); :meth:`run` of ``version`` takes the result."""
-        if self.transport == "shared_memory":
+        if self.transport == "shared_memory" and not self.adapters:  # adapters: the base is rarely sent
             self._open_shared_file()
             self._prepared = (version, self.actors.submit_send_weights())
 

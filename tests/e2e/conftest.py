@@ -8,6 +8,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "tiny_cpu.yaml"
 MOE_EXAMPLE = ROOT / "examples" / "tiny_cpu_moe.yaml"
+LORA_EXAMPLE = ROOT / "examples" / "tiny_cpu_lora.yaml"
 TOY = ROOT / "examples" / "data" / "toy"
 
 
@@ -31,6 +32,10 @@ def tiny_config(output_dir, *extra: str, example: Path = EXAMPLE):
 
 BASELINE = ("trainer.num_steps=3", "trainer.eval_every_steps=0", "trainer.save_every_steps=0")
 """The 3-step run several modules compare against (default settings: colocated, fused lm-head)."""
+WARM_BASE = ("trainer.num_steps=100", "trainer.seed=1", "trainer.eval_every_steps=0", "trainer.save_every_steps=100",
+             "logging.token_diagnostics=false")  # fmt: skip
+"""The demo's first 100 steps, the base LoRA_EXAMPLE warms up from (its ``step_000100``, as
+the example's comment tells a user to make it)."""
 ASYNC = ("rollout.placement=disaggregated", "rollout.max_staleness=1", "rollout.tis_cap=2.0")
 """One-step-off rollout (generation ahead of the update)."""
 ASYNC_STEPS = ("trainer.num_steps=5", "trainer.eval_every_steps=3", "trainer.save_every_steps=2")

@@ -14,7 +14,16 @@ from megatron_rl.config.run import load_run_config
 from megatron_rl.data.loaders import DataError
 from megatron_rl.loop.trainer import NonFiniteStepsError, Trainer
 from megatron_rl.observability import read_metrics
-from tests.e2e.conftest import EXAMPLE, MOE_EXAMPLE, ROOT, kill9_and_resume, tiny_config, tiny_overrides
+from tests.e2e.conftest import (
+    EXAMPLE,
+    LORA_EXAMPLE,
+    MOE_EXAMPLE,
+    ROOT,
+    WARM_BASE,
+    kill9_and_resume,
+    tiny_config,
+    tiny_overrides,
+)
 
 METHOD_KEYS = {
     "grpo": ["loss/ref_kl"],
@@ -145,6 +154,33 @@ def test_kill9_then_resume_matches_an_uninterrupted_run(tmp_path):
     assert cfg_saved["trainer"]["num_steps"] == 8
     assert cfg_saved["parallel"]["expert_model_parallel_size"] == 2
     json.dumps(b[8])  # metrics are plain JSON
+
+
+def test_lora_kill9_then_resume_matches_an_uninterrupted_run(tiny_run, tmp_path):
+    """examples/tiny_cpu_lora.yaml over the demo's step-100 checkpoint: its checkpoints hold
+    the adapters and their optimizer state only and name that base; killed between two of
+    them, the rerun loads the base, then the adapters, logs each step once and matches an
+    uninterrupted run."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from megatron_rl.storage.checkpoints import base_weights_of, weights_fingerprint
+
+    base = tiny_run(*WARM_BASE).run_dir / "checkpoints" / "step_000100"
+    args = ("trainer.num_steps=6", "trainer.save_every_steps=2", "trainer.eval_every_steps=3",
+            f"model.checkpoint={base}")  # fmt: skip
+    runs = kill9_and_resume(tmp_path, *args, checkpointed=2, logged=3, example=LORA_EXAMPLE)  # mid-way to step 4's save
+    assert runs.latest_after_kill in ("step_000002", "step_000004")
+    a, b = runs.uninterrupted, runs.resumed
+    assert sorted(b) == list(range(1, 7)), "each step is logged once (lines after the checkpoint dropped)"
+    for step in range(1, 7):
+        for key in COMPARED:
+            assert b[step][key] == pytest.approx(a[step][key], rel=1e-6, abs=1e-7), (step, key)
+    assert b[6]["eval/accuracy/mean"] == a[6]["eval/accuracy/mean"]
+    saved = runs.run_dir / "checkpoints" / "step_000006"
+    assert base_weights_of(saved) == {"path": str(base.absolute()), "fingerprint": weights_fingerprint(base)}
+    keys = FileSystemReader(str(saved)).read_metadata().state_dict_metadata
+    model_keys = [k for k in keys if k.startswith(("embedding.", "decoder.", "output_layer."))]
+    assert model_keys and all(k.endswith((".lora_a", ".lora_b")) for k in model_keys), model_keys
 
 
 def test_resume_never_refuses_to_overwrite(tmp_path, ray_session):

@@ -218,6 +218,11 @@ def test_switch_to_hf_config_by_override(tmp_path):
         (["actor.lora.rank=8", "actor.reference_offload=true"], "actor.reference_offload", "adapters off"),
         (["actor.lora.rank=8", "model.tiny.model_type=qwen3_moe", "model.tiny.num_experts=4"], "actor.lora.target_modules",
          "experts take no adapters"),
+        (["rollout.lora_sync=adapter"], "rollout.lora_sync", "actor.lora is null"),
+        (["rollout.lora_sync=both"], "rollout.lora_sync", "'merged'"),
+        (["rollout.engine_args={enable_lora: true}"], "rollout.engine_args.enable_lora", "lora_sync: adapter"),
+        (["actor.lora.rank=8", "rollout.lora_sync=adapter", "rollout.engine_process=driver"], "rollout.lora_sync",
+         "engine in the driver's process"),
     ],
 )
 def test_section_checks_name_the_full_path(tmp_path, overrides, path, text):

@@ -100,6 +100,9 @@ def test_every_case_reports_finite_numbers(tiny_run):
     assert linear == {"fused_linear", "fused_linear[torch kernel]", "unfused (hidden @ W^T, fused loss)"}
     actor = next(r for r in by_case["actor"] if r["spec"] == "local")
     assert actor["tokens_per_s"] > 0 and actor["mfu_vs_measured_gemm"] > 0 and actor["step_skipped"] == 0
+    lora = next(r for r in by_case["actor"] if r.get("spec") == "lora")  # rank-16 adapters: a small share trains
+    assert lora["status"] == "ok" and lora["step_skipped"] == 0 and 0 < lora["trainable_params"] < actor["params"] / 4
+    assert actor["trainable_params"] >= actor["params"]
     te = next(r for r in by_case["actor"] if r["variant"] == "te spec")
     assert te["status"] == "skipped" and te["reason"]
     engine = by_case["engine"][0]

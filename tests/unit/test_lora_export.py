@@ -138,3 +138,20 @@ def test_an_adapter_only_checkpoint_needs_its_recorded_base_to_merge(tmp_path):
     (tmp_path / "actor_state.json").write_text(json.dumps(record))
     with pytest.raises(ConversionError, match=r"holds LoRA adapters only; their base weights, .*gone \(its actor_state.json\), are gone"):
         recorded_lora(tmp_path, need_base=True)
+
+
+def test_adapter_sync_needs_an_engine_that_loads_adapters():
+    """``rollout.lora_sync: adapter`` is refused for an engine without LoRA support, naming
+    the field; vLLM engines are sized to the smallest LoRA rank vLLM offers that holds r."""
+    from megatron_rl.config.lib import ConfigError
+    from megatron_rl.config.rollout import RolloutConfig
+    from megatron_rl.rollout.pool.worker import engine_class
+    from megatron_rl.weight_sync.adapters import engine_lora_rank
+    from megatron_rl.weight_sync.sync import resolve_transport
+
+    with pytest.raises(ConfigError, match="rollout.lora_sync.*loads no LoRA adapters"):
+        resolve_transport(RolloutConfig(lora_sync="adapter"), engine_class("hf"), cuda=False)
+    assert resolve_transport(RolloutConfig(engine="vllm", lora_sync="adapter"), engine_class("vllm"), cuda=False)
+    assert [engine_lora_rank(r) for r in (1, 2, 8, 9, 64, 300, 512)] == [1, 8, 8, 16, 64, 320, 512]
+    with pytest.raises(ValueError, match="up to rank 512"):
+        engine_lora_rank(513)

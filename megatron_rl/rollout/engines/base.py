@@ -56,6 +56,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from megatron_rl.rollout.generation import Completion, SamplingParams
+from megatron_rl.weight_sync.adapters import AdapterUpdate
 from megatron_rl.weight_sync.receiver import WeightReceiver
 
 __all__ = ["EngineAsleepError", "EngineWeightsInvalidError", "RolloutEngine"]
@@ -84,6 +85,30 @@ class RolloutEngine(WeightReceiver):
     routed_experts: bool = False
     """Whether the engine takes a ``return_routed_experts=True`` argument and then fills
     each completion's ``routed_experts`` (``rollout.routing_replay``)."""
+
+    lora_adapters: bool = False
+    """Whether the engine takes a ``lora_rank=r`` argument and then loads the actor's LoRA
+    adapters at each version (:meth:`load_adapter`; ``rollout.lora_sync: adapter``)."""
+
+    def load_adapter(self, version: int, update: AdapterUpdate) -> int:
+        """Generate with the actor's LoRA adapters ``update`` (``weight_sync.adapters``) over the
+        base weights the engine holds, from now on; ``version`` becomes the engine's version
+        (returned). Refused while a weight update is open or after one failed half-way (the
+        base is then a mix of versions)."""
+        if not self.lora_adapters:
+            raise NotImplementedError(f"{self.name} loads no LoRA adapters (rollout.lora_sync: merged)")
+        if self._update_version is not None:
+            raise RuntimeError(f"{self.name}: load_adapter() while the update to version {self._update_version} "
+                               "is open")  # fmt: skip
+        if not self._weights_ok:
+            raise EngineWeightsInvalidError(f"{self.name}: its base weights are a mix of versions; a full update "
+                                            "must commit before adapters load")  # fmt: skip
+        self._load_adapter(update)
+        self._version = int(version)
+        return self._version
+
+    def _load_adapter(self, update: AdapterUpdate) -> None:
+        raise NotImplementedError
 
     @abc.abstractmethod
     def generate(

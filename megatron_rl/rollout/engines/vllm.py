@@ -39,6 +39,11 @@ differs by platform is chosen here, once:
   (``load_weights``), from this process itself over a ``megatron_rl_gloo`` group with
   the engine's own workers; ``commit_weight_update`` -> ``LLM.finish_weight_update``
   with the version. The prefix cache is reset before the next generation.
+- **LoRA adapters** (``rollout.lora_sync: adapter``, ``lora_rank``): ``enable_lora`` with
+  one adapter of vLLM's smallest rank that holds the actor's; each version's adapters
+  (``weight_sync.adapters.AdapterUpdate``) are written as a PEFT directory and loaded in
+  place (``LoRARequest(..., load_inplace=True)``, the same LoRA id throughout); every later
+  ``generate`` passes that request. The base weights arrive as any update does.
 - **Sleep**: ``LLM.sleep(level=sleep_level)`` where the platform supports it (a sync
   while asleep wakes the weights alone, ``wake`` then restores the KV cache); on CPU
   there is no accelerator memory to release and ``sleep``/``wake`` only switch the state.
@@ -48,6 +53,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
@@ -60,6 +66,7 @@ import torch
 from megatron_rl.config.seeding import prompt_seeds_for
 from megatron_rl.rollout.engines.base import RolloutEngine
 from megatron_rl.rollout.generation import Completion, GenerateStats, SamplingParams, check_prompts
+from megatron_rl.weight_sync.adapters import AdapterUpdate
 from megatron_rl.weight_sync.meta import TensorMeta
 from megatron_rl.weight_sync.receiver import checkpoint_tensors, has_weights
 
@@ -175,10 +182,11 @@ class VLLMEngine(RolloutEngine):
     weight_backends = ("object_store", "gloo", "nccl", "ipc")
     tensor_parallel = True  # vllm.LLM(tensor_parallel_size=...): rollout.tensor_parallel_size
     routed_experts = True  # vllm.LLM(enable_return_routed_experts=True), GPUs only
+    lora_adapters = True  # vllm.LLM(enable_lora=True): rollout.lora_sync adapter
 
     def __init__(
         self, model_path: str | Path, *, name: str = "vllm", sleep_level: int = 1, host_chunk_mb: int = 64,
-        return_routed_experts: bool = False, **engine_args: Any,
+        return_routed_experts: bool = False, lora_rank: int | None = None, **engine_args: Any,
     ):  # fmt: skip
         try:
             import vllm
@@ -204,6 +212,15 @@ class VLLMEngine(RolloutEngine):
                                  "lacks the Triton-based model runner that records them)")  # fmt: skip
             engine_args = {**engine_args, "enable_return_routed_experts": True}
         self._return_routes = return_routed_experts
+        if lora_rank is not None:
+            from megatron_rl.weight_sync.adapters import engine_lora_rank
+
+            # One adapter, the actor's, replaced in place at every version.
+            engine_args = {**engine_args, "enable_lora": True, "max_lora_rank": engine_lora_rank(lora_rank),
+                           "max_loras": 1}  # fmt: skip
+        self._lora_request = None  # the adapters generation runs with (load_adapter), once loaded
+        self._adapter_dir: Path | None = None
+        self._adapter_serial = 0
         sleep_available = bool(current_platform.is_sleep_mode_available())
         if engine_args.get("enable_sleep_mode") and not sleep_available:
             raise ValueError(f"engine_args.enable_sleep_mode: vLLM has no sleep mode on {current_platform.device_name}")
@@ -382,6 +399,28 @@ class VLLMEngine(RolloutEngine):
             self._own_sender = GlooSender.trainer_init(info, client=_OwnWorkers(self.llm), source=None)
         self._own_sender.stream([TensorMeta.of(n, t) for n, t in named_tensors], iter(named_tensors))
 
+    def _load_adapter(self, update: AdapterUpdate) -> None:
+        """Write ``update`` as a PEFT directory and load it in place of the last one (one
+        LoRA id for the run's adapters: vLLM re-reads the directory, ``load_inplace``)."""
+        import tempfile
+
+        from vllm.lora.request import LoRARequest
+
+        if self._sleeping and not self._weights_awake:
+            self.llm.wake_up(tags=["weights"])  # as a weight update does: vLLM's LoRA buffers sit beside them
+            self._weights_awake = True
+        if self._adapter_dir is None:
+            self._adapter_dir = Path(tempfile.mkdtemp(prefix=f"megatron_rl_{self.name}_lora_"))
+        self._adapter_serial += 1
+        directory = update.write(self._adapter_dir / str(self._adapter_serial), {})
+        request = LoRARequest(lora_name="actor", lora_int_id=1, lora_path=str(directory), load_inplace=True)
+        if not self.llm.llm_engine.add_lora(request):
+            raise RuntimeError(f"{self.name}: vLLM did not load the adapters (add_lora returned False)")
+        previous, self._lora_request = self._lora_request, request
+        if previous is not None:  # kept until now: vLLM may read a request's directory again
+            shutil.rmtree(previous.lora_path, ignore_errors=True)
+        self._prefix_cache_stale = True  # cached prefixes were computed with the previous adapters
+
     # ------------------------------------------------------------------ generation
 
     def generate(
@@ -426,7 +465,8 @@ class VLLMEngine(RolloutEngine):
             for seed in seeds
         ]
         outputs = self.llm.generate(
-            [TokensPrompt(prompt_token_ids=list(map(int, p))) for p in prompts], sampling_params=vparams, use_tqdm=False
+            [TokensPrompt(prompt_token_ids=list(map(int, p))) for p in prompts], sampling_params=vparams, use_tqdm=False,
+            lora_request=self._lora_request,
         )
         results = [[replace(c) for c in self._completions(out) for _ in range(copies)] for out in outputs]
         self.stats.add(results)
@@ -460,6 +500,8 @@ class VLLMEngine(RolloutEngine):
     def shutdown(self) -> None:
         """Stop vLLM's engine core and worker processes now (not at garbage collection)."""
         llm, self.llm = getattr(self, "llm", None), None
+        if getattr(self, "_adapter_dir", None) is not None:
+            shutil.rmtree(self._adapter_dir, ignore_errors=True)
         if llm is not None:
             llm.llm_engine.engine_core.shutdown()
         if torch.cuda.is_available():

@@ -19,14 +19,9 @@ retries the request once; a second failure, an engine that does not come back, o
 exception raised by the engine code itself raises :class:`RolloutEngineError` naming
 the engine and the request.
 
-Weights. A sync is one version for every live engine: :meth:`RolloutPool.begin_update`
-(every engine checks the version's metadata; a refusal raises before anything moves),
-then the tensors, then :meth:`RolloutPool.commit_update`. The tensors come either
-through Ray's object store (:meth:`RolloutPool.sync`: the buckets of a whole model,
-each put once, every engine loading it, at most ``max_inflight_buckets`` at a time) or
-from a sender's transfer group that the engines join (:meth:`RolloutPool.client`, used
-by the actor's rank 0; ``megatron_rl.weight_sync``). Every completion carries the
-``weight_version`` of the engine weights that produced it.
+Weights: :class:`~megatron_rl.rollout.pool.weights.PoolWeights` (a version into every live
+engine, and the restore of a restarted one), which the pool inherits. Every completion
+carries the ``weight_version`` of the engine weights that produced it.
 
 Placement (which node, how many CPUs/GPUs per engine) comes from
 :mod:`megatron_rl.cluster.placement`; the pool only applies it.
@@ -45,9 +40,9 @@ from megatron_rl.config.rollout import RolloutConfig
 from megatron_rl.rollout.generation import Completion, SamplingParams
 from megatron_rl.rollout.pool.dispatch import Request, hung_engines, pick_engine, plan_call, wait_timeout
 from megatron_rl.rollout.pool.recovery import RolloutEngineError, actor_errors, wait_until_back
+from megatron_rl.rollout.pool.weights import PoolWeights
 from megatron_rl.rollout.pool.worker import EngineWorker
-from megatron_rl.weight_sync.buckets import WeightBucket, sync_stats
-from megatron_rl.weight_sync.client import EngineGroupClient, TransferFailedError, gather_calls
+from megatron_rl.weight_sync.client import TransferFailedError
 from megatron_rl.weight_sync.meta import TensorMeta
 
 __all__ = ["RolloutEngineError", "RolloutPool"]
@@ -55,7 +50,7 @@ __all__ = ["RolloutEngineError", "RolloutPool"]
 logger = logging.getLogger(__name__)
 
 
-class RolloutPool:
+class RolloutPool(PoolWeights):
     """``rollout.num_engines`` engines of ``rollout.engine`` as Ray actors; ``ray.init`` must have run.
 
     Args:
@@ -68,6 +63,8 @@ class RolloutPool:
         weight_backend: how the engines receive weights (``object_store``, or the transfer
             backend of ``rollout.weight_transport``: ``gloo``, ``nccl``, ``ipc``).
         weight_format: the updates' wire format (``rollout.weight_dtype``: ``auto``, ``fp8``).
+        lora_rank: engines load the actor's LoRA adapters of this rank at every version
+            (``rollout.lora_sync: adapter``; :meth:`load_adapter`); None: merged weights.
     """
 
     def __init__(
@@ -79,6 +76,7 @@ class RolloutPool:
         name_prefix: str = "rollout",
         weight_backend: str = "object_store",
         weight_format: str = "auto",
+        lora_rank: int | None = None,
     ):
         import ray
 
@@ -95,7 +93,7 @@ class RolloutPool:
             .options(max_restarts=config.pool.max_restarts, max_task_retries=0, **options)
             .remote(config.engine, self.model_path, dict(config.engine_args), name, placement.torch_threads,
                     weight_backend, placement.devices_of(i), weight_format, config.tensor_parallel_size,
-                    config.routing_replay)  # fmt: skip
+                    config.routing_replay, lora_rank)  # fmt: skip
             for i, (name, options) in enumerate(zip(self.engine_names, placement.ray_options))
         ]
         self.weight_backend = weight_backend
@@ -104,6 +102,9 @@ class RolloutPool:
         self._sleeping = False
         self._restore_refs: list[ray.ObjectRef] = []
         self._restore_metas: list[TensorMeta] = []
+        self._adapter: Any = None
+        """The ObjectRef of the last adapters loaded (:meth:`load_adapter`): a restored engine
+        takes them over its base weights."""
         self.restorer: Callable[[list[int]], None] | None = None
         """Brings the given (restarted) engines to the pool's weight version; set by the
         run's weight sync. Without one, the buckets of the last object-store sync are used."""
@@ -298,165 +299,6 @@ class RolloutPool:
         if engine in self._pids and self._pids[engine] != pid:
             self._restarts_seen[engine] = self._restarts_seen.get(engine, 0) + 1
         self._pids[engine] = pid
-
-    def _restore(self, engines: list[int]) -> None:
-        """Bring restarted ``engines`` to the pool's weight version."""
-        if self.restorer is not None:
-            self.restorer(engines)
-            return
-        if not self._restore_refs:
-            raise RolloutEngineError(
-                f"{', '.join(self.engine_names[e] for e in engines)} restarted with the initial weights but the pool "
-                f"is at version {self._version} and keeps no weights to restore (keep_weights_for_restart=False)"
-            )
-        self._load_refs(self._restore_refs, self._restore_metas, self._version, engines)
-
-    # ------------------------------------------------------------------ weights
-
-    def client(self, engines: Sequence[int] | None = None) -> EngineGroupClient:
-        """The weight-sync client of ``engines`` (default: every live engine) for a sender."""
-        import ray
-
-        targets = list(self.live_engines if engines is None else engines)
-        health = ray.get([self.actors[i].health.remote() for i in targets], timeout=self.config.pool.restart_timeout_s)
-        return EngineGroupClient(
-            actors=[self.actors[i] for i in targets], engines=targets, names=list(self.engine_names),
-            receivers=[int(h["weight_receivers"]) for h in health], timeout_s=self.config.pool.weight_sync_timeout_s,
-        )  # fmt: skip
-
-    def begin_update(self, version: int, metas: list[TensorMeta], *, engines: Sequence[int] | None = None) -> list[int]:
-        """Open the update to ``version`` (tensors ``metas``) on ``engines`` (default: every
-        live engine); returns them. Every engine checks ``metas`` first: a refusal raises
-        :class:`RolloutEngineError` naming the engine and the version, and every engine
-        keeps its weights."""
-        targets = list(self.live_engines if engines is None else engines)
-        refs = {i: self.actors[i].begin_weight_update.remote(int(version), metas) for i in targets}
-        try:
-            self._gather(refs, f"opening weight update to version {version}")
-        except RolloutEngineError:
-            self.abort_update(targets)
-            raise
-        return targets
-
-    def commit_update(self, version: int, engines: Sequence[int]) -> None:
-        """Close the open update on ``engines``; the pool's version becomes ``version``."""
-        refs = {i: self.actors[i].commit_weight_update.remote() for i in engines}
-        versions = self._gather(refs, f"committing weight version {version}")
-        if any(v != version for v in versions):
-            raise RolloutEngineError(f"engines committed versions {versions}, expected {version}")
-        self._version = int(version)
-
-    def abort_update(self, engines: Sequence[int]) -> None:
-        """Close a failed update on ``engines`` (best effort; dead engines are skipped)."""
-        import ray
-
-        refs = [self.actors[i].abort_weight_update.remote() for i in engines if i not in self._dead]
-        ray.wait(refs, num_returns=len(refs), timeout=self.config.pool.restart_timeout_s)
-
-    def _gather(self, refs: dict[int, Any], what: str) -> list[Any]:
-        try:
-            return gather_calls(refs, self.engine_names, what, timeout_s=self.config.pool.weight_sync_timeout_s)
-        except TransferFailedError as exc:
-            raise RolloutEngineError(str(exc)) from exc
-
-    def sync(
-        self, buckets: Iterable[WeightBucket | Any], *, version: int, metas: list[TensorMeta]
-    ) -> dict[str, float]:
-        """One version through the object store: every live engine loads ``buckets``.
-
-        Args:
-            buckets: the model's :class:`~megatron_rl.weight_sync.buckets.WeightBucket` s, or
-                ObjectRefs of buckets a producer already put (the actor's rank 0 does);
-                consumed once, lazily, so a producer runs at most one bucket ahead of the
-                ``rollout.pool.max_inflight_buckets`` being loaded.
-            version: the weight version the engines report afterwards.
-            metas: every tensor of the buckets, in order (checked by every engine first).
-
-        An engine that dies during the sync is restarted and brought to ``version`` at
-        the end. An engine that raises makes the sync raise :class:`RolloutEngineError`
-        naming it and the version; every engine's update is then aborted (engines that
-        had received tensors report ``ok: False`` until the next sync commits).
-
-        Returns:
-            ``weight_sync/seconds`` (wall time, producer included), ``weight_sync/put_seconds``
-            (host copies + ``ray.put`` here), ``weight_sync/bytes`` (payload bytes per
-            engine), ``weight_sync/num_tensors``, ``weight_sync/num_buckets``,
-            ``weight_sync/num_engines``, ``weight_sync/gib_per_s``, ``weight_sync/version``.
-        """
-        import ray
-
-        start = time.perf_counter()
-        if version < self._version:
-            logger.warning("weight sync to version %d is older than the pool's %d", version, self._version)
-        targets = self.begin_update(version, metas)
-        # The previous sync's buckets are no longer what a restarted engine should get
-        # (this sync's are, at the end); dropping them now keeps one model copy at most.
-        self._restore_refs, self._restore_metas = [], []
-        failed: set[int] = set()  # died or hung: no more buckets; brought back at the end
-        hung: set[int] = set()
-        put_seconds = 0.0
-        refs: list[ray.ObjectRef] = []
-        inflight: list[list[tuple[int, ray.ObjectRef]]] = []
-        try:
-            for bucket in buckets:
-                while len(inflight) >= self.config.pool.max_inflight_buckets:
-                    self._wait_loads(inflight.pop(0), failed, hung, version)
-                t0 = time.perf_counter()
-                ref = ray.put(bucket) if isinstance(bucket, WeightBucket) else bucket
-                del bucket  # the object store holds the only copy from here on
-                put_seconds += time.perf_counter() - t0
-                inflight.append([(i, self.actors[i].load_bucket.remote(ref)) for i in targets if i not in failed])
-                refs.append(ref)
-            for loads in inflight:
-                self._wait_loads(loads, failed, hung, version)
-        except BaseException:
-            self.abort_update([i for i in targets if i not in failed])
-            raise
-        self.commit_update(version, [i for i in targets if i not in failed])
-        self._restore_refs, self._restore_metas = list(refs), list(metas)
-        self._recover_all(failed - hung)
-        if hung:
-            self.restart(hung)
-        if not self.config.pool.keep_weights_for_restart:
-            self._restore_refs, self._restore_metas = [], []
-        return sync_stats(time.perf_counter() - start, put_seconds=put_seconds, metas=metas, num_buckets=len(refs),
-                          num_engines=self.num_engines, version=version)  # fmt: skip
-
-    def _wait_loads(self, loads: list[tuple[int, Any]], failed: set[int], hung: set[int], version: int) -> None:
-        """Wait for one bucket's loads; an engine that died, or hangs for ``weight_sync_timeout_s``
-        (it is restarted), is brought back at the end."""
-        import ray
-
-        for engine, ref in loads:
-            if engine in failed:  # hung on an earlier bucket: its later loads wait behind it
-                continue
-            try:
-                ray.get(ref, timeout=self.config.pool.weight_sync_timeout_s)
-            except ray.exceptions.GetTimeoutError:
-                logger.warning("%s loaded no bucket in weight_sync_timeout_s=%g; it is restarted at the end",
-                               self.engine_names[engine], self.config.pool.weight_sync_timeout_s)  # fmt: skip
-                failed.add(engine)
-                hung.add(engine)
-            except actor_errors() as exc:
-                logger.warning("%s died during a weight sync (%s); it is restored at the end", self.engine_names[engine],
-                               exc)  # fmt: skip
-                failed.add(engine)
-            except ray.exceptions.RayTaskError as exc:
-                raise RolloutEngineError(
-                    f"{self.engine_names[engine]} failed to load weight version {version}: {exc}"
-                ) from exc
-
-    def _load_refs(self, refs: list[Any], metas: list[TensorMeta], version: int, engines: list[int]) -> None:
-        """One version from buckets already in the object store into ``engines``."""
-        import ray
-
-        targets = self.begin_update(version, metas, engines=engines)
-        try:
-            ray.get([self.actors[i].load_bucket.remote(ref) for ref in refs for i in targets])
-        except BaseException:
-            self.abort_update(targets)
-            raise
-        self.commit_update(version, targets)
 
     def _recover_all(
         self, engines: Iterable[int], *, restore: bool = True, killed_pids: dict[int, int] | None = None

@@ -20,6 +20,7 @@ import torch
 
 from megatron_rl.rollout.engines.base import RolloutEngine
 from megatron_rl.rollout.generation import Completion, SamplingParams
+from megatron_rl.weight_sync.adapters import AdapterUpdate
 from megatron_rl.weight_sync.buckets import WeightBucket
 from megatron_rl.weight_sync.meta import TensorMeta
 from megatron_rl.weight_sync.transports.shm import SharedBucket
@@ -49,12 +50,13 @@ def engine_class(kind: str) -> type[RolloutEngine]:
 
 def build_engine(
     kind: str, model_path: str, *, name: str, engine_args: dict[str, Any], weight_backend: str = "object_store",
-    tensor_parallel_size: int = 1, routed_experts: bool = False,
+    tensor_parallel_size: int = 1, routed_experts: bool = False, lora_rank: int | None = None,
 ) -> RolloutEngine:  # fmt: skip
     """Construct an engine of ``kind`` over ``model_path`` that receives weights through
     ``weight_backend``, spans ``tensor_parallel_size`` devices (``rollout.tensor_parallel_size``)
     and, with ``routed_experts``, returns the experts it routed each token to
-    (``rollout.routing_replay``)."""
+    (``rollout.routing_replay``) and, with ``lora_rank``, loads LoRA adapters of that rank
+    (``rollout.lora_sync: adapter``)."""
     cls = engine_class(kind)
     if weight_backend not in cls.weight_backends:
         raise ValueError(
@@ -70,6 +72,10 @@ def build_engine(
         if not cls.routed_experts:
             raise ValueError(f"engine kind {kind!r} cannot return routed experts (rollout.routing_replay)")
         extra["return_routed_experts"] = True
+    if lora_rank is not None:
+        if not cls.lora_adapters:
+            raise ValueError(f"engine kind {kind!r} loads no LoRA adapters (rollout.lora_sync: adapter)")
+        extra["lora_rank"] = lora_rank
     return cls(model_path, name=name, **engine_args, **extra)
 
 
@@ -82,6 +88,7 @@ class EngineWorker:
         self, kind: str, model_path: str, engine_args: dict[str, Any], name: str, num_threads: int,
         weight_backend: str = "object_store", visible_devices: tuple[str, ...] | None = None,
         weight_format: str = "auto", tensor_parallel_size: int = 1, routed_experts: bool = False,
+        lora_rank: int | None = None,
     ):  # fmt: skip
         if visible_devices is not None:
             # An engine over several GPUs holds the Ray bundle of its first GPU only (the
@@ -93,10 +100,11 @@ class EngineWorker:
         # thread count is this actor's CPU share, not the whole machine.
         torch.set_num_threads(max(1, num_threads))
         self.engine = build_engine(kind, model_path, name=name, engine_args=engine_args, weight_backend=weight_backend,
-                                   tensor_parallel_size=tensor_parallel_size, routed_experts=routed_experts)  # fmt: skip
+                                   tensor_parallel_size=tensor_parallel_size, routed_experts=routed_experts,
+                                   lora_rank=lora_rank)  # fmt: skip
         self.engine.set_weight_format(weight_format)
         self.transitions: deque[tuple[float, str]] = deque(maxlen=256)
-        """The last (wall time, event) pairs: generate, sleep, wake, sync (begin), commit."""
+        """The last (wall time, event) pairs: generate, sleep, wake, sync (begin), commit, adapter."""
 
     def generate(
         self, prompts: list[list[int]], params: SamplingParams, prompt_seeds: list[int]
@@ -128,6 +136,10 @@ class EngineWorker:
 
     def abort_weight_update(self) -> None:
         self.engine.abort_weight_update()
+
+    def load_adapter(self, version: int, update: AdapterUpdate) -> int:
+        self.transitions.append((time.time(), "adapter"))
+        return self.engine.load_adapter(version, update)
 
     def sleep(self) -> None:
         self.transitions.append((time.time(), "sleep"))
