@@ -69,7 +69,6 @@ TARGET_MODULES = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 fused QKV and output projections, the MLP's fused gate/up and down projections."""
 
 
-
 @dataclass(frozen=True, kw_only=True)
 class LoRASettings:
     """What each adapted layer needs (from ``actor.lora`` and the run's seed)."""

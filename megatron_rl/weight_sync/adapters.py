@@ -10,9 +10,9 @@ it through its own LoRA support (vLLM: ``LoRARequest(..., load_inplace=True)``);
 version is then the adapters' version. An update is small (``2 r (in + out)`` values per
 adapted projection), so it goes through the object store whatever the transport is.
 
-Where the base is re-sent: ``weight_sync.sync.WeightSync`` sends it at its first sync and
-after any engine restart; a restarted engine is restored to base plus the pool's last
-adapters (``rollout.pool.RolloutPool``).
+Where the base is re-sent: ``weight_sync.sync.WeightSync`` sends it at its first sync, after
+any engine restart and whenever an engine is not at the pool's version; a restarted engine
+is restored to base plus the pool's last adapters (``rollout.pool.weights.PoolWeights``).
 """
 
 from __future__ import annotations
@@ -57,12 +57,13 @@ class AdapterUpdate:
     def num_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
-    def write(self, directory: Path, hf_config: dict) -> Path:
+    def write(self, directory: Path) -> Path:
         """The PEFT adapter directory (``adapter_config.json``, ``adapter_model.safetensors``)
-        in ``directory`` (created); returns it."""
+        in ``directory`` (created); returns it. It names no base model: the engine loads it
+        over the base it holds."""
         from megatron_rl.models.convert.lora_export import LoRAExport, write_peft_adapter
 
         directory.mkdir(parents=True, exist_ok=True)
         lora = LoRAExport(rank=self.rank, alpha=self.alpha, target_modules=())
-        write_peft_adapter(directory, self.tensors, lora, hf_config)
+        write_peft_adapter(directory, self.tensors, lora, {})
         return directory

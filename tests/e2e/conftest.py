@@ -191,3 +191,16 @@ def kill9_and_resume(tmp_path, *args: str, checkpointed: int, logged: int, examp
         run_dir=run_dir,
         latest_after_kill=latest,
     )
+
+
+def assert_adapters_only(checkpoint: Path, base: Path) -> None:
+    """``checkpoint`` is an adapter-only LoRA checkpoint over ``base``: it names that base
+    (absolute path and fingerprint) and every model tensor it stores is an adapter's."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from megatron_rl.storage.checkpoints import base_weights_of, weights_fingerprint
+
+    assert base_weights_of(checkpoint) == {"path": str(base.absolute()), "fingerprint": weights_fingerprint(base)}
+    keys = FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
+    model_keys = [k for k in keys if k.startswith(("embedding.", "decoder.", "output_layer."))]
+    assert model_keys and all(k.endswith((".lora_a", ".lora_b")) for k in model_keys), model_keys

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from megatron_rl.config.trainer import ActorConfig
-from tests.e2e.conftest import BASELINE, KL_RUN
+from tests.e2e.conftest import BASELINE, KL_RUN, assert_adapters_only
 
 COMPARED = ("rollout/reward/mean", "loss/total", "actor/grad_norm", "loss/approx_kl")
 
@@ -59,18 +59,11 @@ def test_a_lora_run_over_base_weights_from_a_checkpoint_saves_the_adapters_only(
     a new run from it (``model.checkpoint`` = the adapter-only checkpoint) loads the base and
     then the adapters: its reference policy (adapters off) is the base, so its KL to it is
     non-zero from step 1, and its engines hold the merged policy."""
-    from torch.distributed.checkpoint import FileSystemReader
-
-    from megatron_rl.storage.checkpoints import base_weights_of, weights_fingerprint
-
     base = tiny_run(*KL_RUN).run_dir / "checkpoints" / "step_000002"
     over = ("model.init=pretrained", "actor.lora.rank=8", "algorithm.kl_coef=0.01", "trainer.eval_every_steps=0")
     first = tiny_run("trainer.num_steps=2", "trainer.save_every_steps=2", f"model.checkpoint={base}", *over)
     saved = first.run_dir / "checkpoints" / "step_000002"
-    assert base_weights_of(saved) == {"path": str(base.absolute()), "fingerprint": weights_fingerprint(base)}
-    keys = FileSystemReader(str(saved)).read_metadata().state_dict_metadata
-    model_keys = [k for k in keys if k.startswith(("embedding.", "decoder.", "output_layer."))]
-    assert model_keys and all(k.endswith((".lora_a", ".lora_b")) for k in model_keys), model_keys
+    assert_adapters_only(saved, base)
     assert first.rows[1]["loss/ref_kl"] == pytest.approx(0.0, abs=1e-6)  # B = 0: the actor is the base
     second = tiny_run("trainer.num_steps=1", "trainer.save_every_steps=0", f"model.checkpoint={saved}", *over).rows
     assert second[1]["loss/ref_kl"] > 1e-6  # the trained adapters are on, the reference is the base

@@ -37,8 +37,8 @@ PROMPTS = [[1, 2, 3, 4], [5, 6, 7], list(range(20, 31))]
 PARAMS = SamplingParams(n=2, temperature=1.0, max_new_tokens=8, seed=11)
 RANK = 8
 ENGINES_TOL = 5e-5
-"""Adapter engine vs merged engine, float32. Each is 1.1e-5 to 1.7e-5 from the actor's own
-log-probs on this model and they are 1.6e-5 to 2.3e-5 apart whatever the adapters' size
+"""Adapter engine vs merged engine, float32. Each is 1.1e-5 to 2.0e-5 from the actor's own
+log-probs on this model and they are 1.5e-5 to 2.3e-5 apart whatever the adapters' size
 (measured with B ~1e-4 and ~1e-2): vLLM's float32 arithmetic of ``x W^T + s (x A^T) B^T``
 against ``x (W + s B A)^T``, not the adapters."""
 
@@ -99,11 +99,14 @@ def test_adapter_sync_equals_merged_weights(tmp_path):
                              metas=[TensorMeta.of(n, t) for n, t in merged.items()])  # fmt: skip
             (got, ids), (want, want_ids) = _generate(lora_pool), _generate(merged_pool)
             assert ids == want_ids, version
-            assert _max_logp_gap(got, want) <= ENGINES_TOL, version
+            gap = _max_logp_gap(got, want)
+            print(f"version {version}: adapter vs merged engine max |dlogp| {gap:.2e}")  # pytest -s: docs/lora.md
+            assert gap <= ENGINES_TOL, version
             assert all(c.weight_version == version for g in got for c in g)
             exp = build_experience(PROMPTS, got, pad_id=0)
             metrics = logprob_mismatch(exp.batch.engine_logp, actors.compute_logprobs(exp.batch).logp,
                                        exp.batch.loss_mask).metrics  # fmt: skip
+            print(f"version {version}: adapter engine vs actor max |dlogp| {metrics['rollout/logp_mismatch/max_abs']:.2e}")
             assert metrics["rollout/logp_mismatch/max_abs"] <= 1e-4, (version, metrics)
         # the adapters moved the policy far beyond those tolerances (the test could fail)
         assert ids != base_ids or _max_logp_gap(got, base_out) > 1e-3

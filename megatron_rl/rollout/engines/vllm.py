@@ -362,10 +362,15 @@ class VLLMEngine(RolloutEngine):
     def expected_weights(self) -> dict[str, TensorMeta]:
         return self._expected
 
-    def _start_update(self) -> None:
+    def _wake_weights(self) -> None:
+        """Wake the weights alone of a sleeping engine (a colocated sync never holds the KV
+        cache); vLLM's LoRA buffers sit beside them."""
         if self._sleeping and not self._weights_awake:
-            self.llm.wake_up(tags=["weights"])  # a colocated sync never holds the KV cache
+            self.llm.wake_up(tags=["weights"])
             self._weights_awake = True
+
+    def _start_update(self) -> None:
+        self._wake_weights()
         self.llm.start_weight_update()
 
     def _finish_update(self, version: int | None) -> None:
@@ -406,13 +411,11 @@ class VLLMEngine(RolloutEngine):
 
         from vllm.lora.request import LoRARequest
 
-        if self._sleeping and not self._weights_awake:
-            self.llm.wake_up(tags=["weights"])  # as a weight update does: vLLM's LoRA buffers sit beside them
-            self._weights_awake = True
+        self._wake_weights()
         if self._adapter_dir is None:
             self._adapter_dir = Path(tempfile.mkdtemp(prefix=f"megatron_rl_{self.name}_lora_"))
         self._adapter_serial += 1
-        directory = update.write(self._adapter_dir / str(self._adapter_serial), {})
+        directory = update.write(self._adapter_dir / str(self._adapter_serial))
         request = LoRARequest(lora_name="actor", lora_int_id=1, lora_path=str(directory), load_inplace=True)
         if not self.llm.llm_engine.add_lora(request):
             raise RuntimeError(f"{self.name}: vLLM did not load the adapters (add_lora returned False)")

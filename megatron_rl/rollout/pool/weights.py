@@ -91,9 +91,7 @@ class PoolWeights:
     def commit_update(self, version: int, engines: Sequence[int]) -> None:
         """Close the open update on ``engines``; the pool's version becomes ``version``."""
         refs = {i: self.actors[i].commit_weight_update.remote() for i in engines}
-        versions = self._gather(refs, f"committing weight version {version}")
-        if any(v != version for v in versions):
-            raise RolloutEngineError(f"engines committed versions {versions}, expected {version}")
+        self._expect_version(refs, version, "committing weight version", "committed versions")
         self._version = int(version)
 
     def abort_update(self, engines: Sequence[int]) -> None:
@@ -102,6 +100,12 @@ class PoolWeights:
 
         refs = [self.actors[i].abort_weight_update.remote() for i in engines if i not in self._dead]
         ray.wait(refs, num_returns=len(refs), timeout=self.config.pool.restart_timeout_s)
+
+    def _expect_version(self, refs: dict[int, Any], version: int, doing: str, done: str) -> None:
+        """Wait for calls that each return the engine's new version; all must be ``version``."""
+        versions = self._gather(refs, f"{doing} {version}")
+        if any(v != version for v in versions):
+            raise RolloutEngineError(f"engines {done} {versions}, expected {version}")
 
     def _gather(self, refs: dict[int, Any], what: str) -> list[Any]:
         try:
@@ -187,9 +191,7 @@ class PoolWeights:
 
     def _load_adapter_into(self, engines: Sequence[int], version: int, ref: Any) -> None:
         refs = {i: self.actors[i].load_adapter.remote(int(version), ref) for i in engines}
-        versions = self._gather(refs, f"loading the adapters of version {version}")
-        if any(v != version for v in versions):
-            raise RolloutEngineError(f"engines loaded adapters of versions {versions}, expected {version}")
+        self._expect_version(refs, version, "loading the adapters of version", "loaded adapters of versions")
 
     def _wait_loads(self, loads: list[tuple[int, Any]], failed: set[int], hung: set[int], version: int) -> None:
         """Wait for one bucket's loads; an engine that died, or hangs for ``weight_sync_timeout_s``
