@@ -52,6 +52,7 @@ from megatron_rl.algo import (
     prepare_advantages,
     prepass_statistics,
 )
+from megatron_rl.algo.sft import SFT_OBJECTIVE, SFTObjective
 from megatron_rl.ops import LossInputs
 from megatron_rl.storage.checkpoints import BASE_WEIGHTS_KEY, base_reference
 
@@ -138,7 +139,7 @@ class MegatronActor(PolicyModel):
         *,
         phase: str | None = None,
         token_grad_norms: bool = False,
-        algorithm: AlgorithmConfig | None = None,
+        algorithm: AlgorithmConfig | SFTObjective | None = None,
         on_policy: bool = False,
         tis_cap: float | None = None,
     ) -> dict[str, float]:
@@ -146,7 +147,8 @@ class MegatronActor(PolicyModel):
 
         ``phase`` is the update phase (``algo.update_phases``; ``None`` without phases);
         ``algorithm`` overrides the spec's loss for this step (tests compare methods on one
-        model). With ``token_grad_norms``, :attr:`last_token_grad_norms` afterwards holds
+        model; ``algo.sft.SFT_OBJECTIVE`` trains on the response tokens' likelihood at
+        temperature 1, reading only ``loss_mask``: :meth:`sft_step`). With ``token_grad_norms``, :attr:`last_token_grad_norms` afterwards holds
         ``[N, L]`` (input-aligned, every rank) the norm of each token's loss-SUM gradient
         w.r.t. its logits row, for the token-probability diagnostics.
 
@@ -181,18 +183,26 @@ class MegatronActor(PolicyModel):
         if self._train_state_offloaded:
             raise RuntimeError("train_step while the train state is offloaded: call onload_train_state() first")
         algorithm = algorithm or self.algorithm
-        batch.require_training_fields(algorithm.needs_ref_logp, need_old=not on_policy)
+        sft = isinstance(algorithm, SFTObjective)
+        if sft and (phase is not None or on_policy or tis_cap is not None):
+            raise ValueError("the SFT objective has no phase, old policy or importance weights")
+        batch.require_training_fields(algorithm.needs_ref_logp, need_old=not (on_policy or sft), need_advantages=not sft)
         start = time.perf_counter()
         local = self._local_batch(batch)
-        if on_policy:
+        if on_policy or sft:
             local = replace(local, old_logp=None)
         if tis_cap is not None and not (on_policy and local.engine_logp is not None and not needs_prepass(algorithm)):
             raise ValueError("train_step(tis_cap=...) needs on_policy, batch.engine_logp and a loss without a pre-pass")
-        advantages, reweight_metrics = prepare_advantages(local.advantages, local.old_logp, local.loss_mask, algorithm)
-        local = replace(local, advantages=advantages)
+        reweight_metrics = {}
+        if sft:
+            local = replace(local, advantages=None, ref_logp=None, engine_logp=None)
+        else:
+            advantages, reweight_metrics = prepare_advantages(local.advantages, local.old_logp, local.loss_mask, algorithm)
+            local = replace(local, advantages=advantages)
         microbatches = self._microbatches(local)
-        prepass = self._prepass(microbatches, algorithm, phase) if needs_prepass(algorithm) else None
-        options = replace(self._vocab_options(self.spec.temperature), token_grad_norms=token_grad_norms)
+        prepass = self._prepass(microbatches, algorithm, phase) if not sft and needs_prepass(algorithm) else None
+        temperature = 1.0 if sft else self.spec.temperature  # SFT fits the data's distribution itself
+        options = replace(self._vocab_options(temperature), token_grad_norms=token_grad_norms)
         norms: list[list[torch.Tensor]] = []
         train_logp: list[list[torch.Tensor]] = []
 
@@ -276,6 +286,14 @@ class MegatronActor(PolicyModel):
                 self.groups, n, length, local.num_sequences, microbatches, train_logp
             )[0].cpu()
         return metrics
+
+    def sft_step(self, batch: ActorBatch) -> dict[str, float]:
+        """One supervised optimizer step on ``batch`` (``input_ids``, ``attention_mask`` and
+        ``loss_mask`` over the response tokens): the mean negative log-likelihood of every
+        masked token of the batch (``algo.sft``), through the same fused lm-head loss,
+        micro-batching, packing and optimizer as :meth:`train_step`, whose metrics it
+        returns (``loss/total`` = ``loss/nll``, nats per token)."""
+        return self.train_step(batch, algorithm=SFT_OBJECTIVE)
 
     # ------------------------------------------------------------------ time-sharing (colocated engines)
 

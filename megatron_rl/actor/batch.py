@@ -148,9 +148,9 @@ class ActorBatch:
         index = torch.as_tensor(rows, dtype=torch.long)
         return replace(self, **{f.name: _index(getattr(self, f.name), index) for f in fields(self)})
 
-    def require_training_fields(self, need_ref: bool, *, need_old: bool = True) -> None:
+    def require_training_fields(self, need_ref: bool, *, need_old: bool = True, need_advantages: bool = True) -> None:
         """Raise naming the first missing field ``train_step`` needs."""
-        names = ("loss_mask",) + (("old_logp",) if need_old else ()) + ("advantages",)
+        names = ("loss_mask",) + (("old_logp",) if need_old else ()) + (("advantages",) if need_advantages else ())
         for name in names + (("ref_logp",) if need_ref else ()):
             if getattr(self, name) is None:
                 raise ValueError(f"train_step needs batch.{name}")

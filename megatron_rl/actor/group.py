@@ -192,9 +192,18 @@ class ActorGroup:
         anything submitted later (a weight sync, a checkpoint) sees the updated weights."""
         return self._submit("update_policy", self._shared(batch), step, token_stats)
 
+    def sft_step(self, batch: ActorBatch) -> dict[str, float]:
+        """One supervised optimizer step on ``batch`` on every rank (``MegatronActor.sft_step``:
+        the response tokens' mean negative log-likelihood); its metrics. Non-finite steps
+        count toward ``trainer.max_consecutive_nonfinite_steps`` as RL updates do."""
+        return self._check_nonfinite(self._get(self._submit("sft_step", self._shared(batch)), "sft_step")[0])
+
     def finish_update(self, pending: list[Any]) -> dict[str, float]:
         """Wait for a :meth:`submit_update`; its metrics (see :meth:`update_policy`)."""
-        metrics = self._get(pending, "update_policy")[0]
+        return self._check_nonfinite(self._get(pending, "update_policy")[0])
+
+    def _check_nonfinite(self, metrics: dict[str, float]) -> dict[str, float]:
+        """Count a skipped update; raise :class:`NonFiniteStepsError` at the limit."""
         limit = self.spec.trainer.max_consecutive_nonfinite_steps
         self.consecutive_nonfinite = self.consecutive_nonfinite + 1 if metrics["actor/step_skipped"] else 0
         if self.consecutive_nonfinite >= limit:

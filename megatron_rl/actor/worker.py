@@ -113,6 +113,10 @@ class ActorWorker:
         self.transitions.append((time.time(), "train"))
         return update_policy(self.actor, self.reference, batch, step=step, token_stats=token_stats)
 
+    def sft_step(self, batch: ActorBatch) -> dict[str, float]:
+        self.transitions.append((time.time(), "sft"))
+        return self.actor.sft_step(batch)
+
     def save_checkpoint(self, directory: str, trainer_state: dict[str, Any] | None) -> str:
         offloaded = self.actor.train_state_offloaded
         self.actor.onload_train_state()  # the optimizer state is saved from where it trains

@@ -1,6 +1,7 @@
 """The ``megatron-rl`` command line: one entry point with subcommands.
 
     megatron-rl train CONFIG [section.field=value ...] [--dry-run]
+    megatron-rl sft CONFIG [section.field=value ...] [--dry-run]
     megatron-rl plan CONFIG [overrides] [--gpu-memory-gb N]
     megatron-rl sweep CONFIG --methods M1,M2 --seeds N [--launcher local|slurm] [overrides]
     megatron-rl convert hf-to-mcore --hf DIR --out DIR [--tp N --pp M]
@@ -17,7 +18,7 @@ library module imports it.
 
 Exit codes: 0 success; 1 the command could not do its job; 2 bad usage or a bad config
 (``error: ...`` on stderr, no traceback: a config error is the user's to fix, not a bug);
-3 (``train``) stopped by a signal after writing a checkpoint.
+3 (``train``, ``sft``) stopped by a signal after writing a checkpoint.
 """
 
 from __future__ import annotations
@@ -138,6 +139,11 @@ register_module_subcommand(
     "train",
     "megatron_rl.cli.train",
     help="train a policy with RL from a run config (--dry-run: validate and save the config only)",
+)
+register_module_subcommand(
+    "sft",
+    "megatron_rl.cli.sft",
+    help="supervised fine-tuning on prompt/response rows, the warm start of an RL run (--dry-run: validate only)",
 )
 register_module_subcommand(
     "convert",

@@ -25,7 +25,9 @@ import argparse
 import contextlib
 import sys
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
 
 from megatron_rl.cli import EXIT_FAILURE, EXIT_OK, EXIT_STOPPED, EXIT_USAGE
 from megatron_rl.config.lib import ConfigError, ConfigRenameWarning, dump_yaml, save_resolved
@@ -93,15 +95,54 @@ def _print_yaml(text: str) -> None:
         sys.stdout.flush()
 
 
-def run(args: argparse.Namespace) -> int:
-    """Validate the config, then train or (``--dry-run``) print and save it; returns the exit code."""
-    from megatron_rl.config.run import load_run_config
+@dataclass(frozen=True)
+class RunKind:
+    """What ``train`` and ``sft`` differ in; the rest of a run's start, stop and exit codes
+    is this module's, for both."""
+
+    load: Callable[[str, list[str]], Any]
+    """``(yaml path, overrides) -> config``."""
+    preflight: Callable[[Any, dict[str, str]], Any]
+    """``(config, renamed fields used) -> the pre-flight's result``; raises on a bad input."""
+    make_trainer: Callable[[Any, Any], Any]
+    """``(config, pre-flight result) -> trainer`` (``run()``, ``close()``, ``step``, ``stop``)."""
+    summary: Callable[[Any], str]
+    """The layout and batch lines a dry run prints."""
+
+
+def _rl_preflight(config, renamed: dict[str, str]):
     from megatron_rl.loop.preflight import preflight
 
+    return preflight(config, task_key=renamed.get(TASK_KEY, TASK_KEY))
+
+
+def _rl_trainer(config, checked):
+    from megatron_rl.loop.pipeline import make_trainer
+
+    return make_trainer(config, checked=checked)
+
+
+def _rl_load(path: str, overrides: list[str]):
+    from megatron_rl.config.run import load_run_config
+
+    return load_run_config(path, overrides)
+
+
+RL = RunKind(load=_rl_load, preflight=_rl_preflight, make_trainer=_rl_trainer, summary=lambda c: _placement_summary(c))
+"""``megatron-rl train``."""
+
+
+def run(args: argparse.Namespace) -> int:
+    """Validate the config, then train or (``--dry-run``) print and save it; returns the exit code."""
+    return launch(args, RL)
+
+
+def launch(args: argparse.Namespace, kind: RunKind) -> int:
+    """:func:`run` for a run of ``kind`` (``train`` or ``sft``)."""
     with renamed_fields_used() as renamed:
-        config = load_run_config(args.config, args.overrides)
+        config = kind.load(args.config, args.overrides)
     try:  # the same checks for a run and a dry run, before any process starts
-        checked = preflight(config, task_key=renamed.get(TASK_KEY, TASK_KEY))
+        checked = kind.preflight(config, renamed)
     except _BAD_INPUT as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE
@@ -121,10 +162,10 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     with lock:
         if not args.dry_run:
-            return _train(config, checked)
+            return _train(config, checked, kind)
         _print_yaml(dump_yaml(config))
         saved = save_resolved(config, config.run_dir)
-    print(_placement_summary(config), file=sys.stderr)
+    print(kind.summary(config), file=sys.stderr)
     print(f"dry run: config is valid; resolved config saved to {saved}", file=sys.stderr)
     return EXIT_OK
 
@@ -134,7 +175,7 @@ def run(args: argparse.Namespace) -> int:
 _BAD_INPUT = (ConfigError, ValueError, FileExistsError, FileNotFoundError)
 
 
-def _train(config, checked) -> int:
+def _train(config, checked, kind: RunKind) -> int:
     import logging
 
     from megatron_rl.loop.stop import RunStopped, StopSignals
@@ -150,17 +191,16 @@ def _train(config, checked) -> int:
     from ray.exceptions import RayActorError
 
     from megatron_rl.actor.checkpoint.save_load import NonFiniteWeightsError
+    from megatron_rl.actor.group import NonFiniteStepsError
     from megatron_rl.cli import reaper
     from megatron_rl.loop.builder import RayClusterError
-    from megatron_rl.loop.pipeline import make_trainer
-    from megatron_rl.loop.trainer import NonFiniteStepsError
     from megatron_rl.rewards import AllRewardsFailedError
 
     # Lives until this process has exited (Ray's own shutdown at exit included) and then ends
     # whatever the run left behind: the net under a driver killed outright.
     reaper.start()
     try:
-        trainer = make_trainer(config, checked=checked)
+        trainer = kind.make_trainer(config, checked)
     except (*_BAD_INPUT, RayClusterError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE
@@ -174,7 +214,7 @@ def _train(config, checked) -> int:
         trainer.run()
         code = EXIT_OK
     except RunStopped as e:
-        saved = f"checkpoint {trainer.parts.checkpoint_dir / f'step_{e.step:06d}'}" if e.saved else "no new checkpoint"
+        saved = f"checkpoint {config.run_dir / 'checkpoints' / f'step_{e.step:06d}'}" if e.saved else "no new checkpoint"
         print(f"stopped: {e.signal_name} after step {e.step} ({saved}); rerun the same command to continue",
               file=sys.stderr)  # fmt: skip
         code = EXIT_STOPPED

@@ -1,5 +1,9 @@
-"""``python -m megatron_rl.config`` prints the field reference (``docs/config.md``)."""
+"""``python -m megatron_rl.config [sft]`` prints the field reference of an RL run
+(``docs/config.md``) or of an SFT run (``docs/sft_config.md``)."""
+
+import sys
 
 from megatron_rl.config.run import config_reference
+from megatron_rl.config.sft import sft_config_reference
 
-print(config_reference(), end="")
+print(sft_config_reference() if sys.argv[1:] == ["sft"] else config_reference(), end="")

@@ -16,22 +16,20 @@ from megatron_rl.config.lib import (
 from megatron_rl.config.model import require_positive_ints
 
 
-@renamed_fields(reward="task")
 @dataclass(kw_only=True)
-class DataConfig:
-    """Training and evaluation prompts, how they are templated, and the task that scores them."""
+class PromptFilesConfig:
+    """What the ``data`` sections of RL and SFT runs share: the files, the prompt column,
+    the task whose prompt style templates it, and the order rows are drawn in."""
 
     train_files: list[str] = field(default_factory=list)
-    """Training prompt files (``.jsonl`` or ``.parquet``), read in order and concatenated."""
+    """Training files (``.jsonl`` or ``.parquet``), read in order and concatenated."""
 
     eval_files: list[str] = field(default_factory=list)
-    """Evaluation prompt files, scored every ``trainer.eval_every_steps`` steps."""
+    """Evaluation files, every ``trainer.eval_every_steps`` steps: an RL run scores the
+    responses to their prompts, an SFT run measures the likelihood of their responses."""
 
     prompt_key: str = "prompt"
     """Column (key) of a row holding the prompt text."""
-
-    ground_truth_key: str = "ground_truth"
-    """Column (key) of a row holding what the reward function compares against."""
 
     task: str = "kk_logic"
     """The task: its prompt style, reward and eval grouping. A registered task
@@ -39,6 +37,35 @@ class DataConfig:
     ``package.module:function`` for a user reward function (then a plain task: no system
     prompt, no pre-fill); checked against the registry when the run starts. Formerly
     ``data.reward``, which is still accepted."""
+
+    prompt_template: Literal["chat", "literal", "none"] = "chat"
+    """``chat``: the prompt as a user message in the tokenizer's chat template; ``literal``:
+    the task's own fixed template (as in the papers' code), without the tokenizer's;
+    ``none``: the prompt text is tokenised as is."""
+
+    shuffle: bool = True
+    """Shuffle training rows (seeded by ``trainer.seed``) each pass over the data."""
+
+    def __post_init__(self) -> None:
+        check_literals(self)
+        if not self.prompt_key:
+            raise ConfigError("prompt_key", "got ''; must name a column")
+        name = self.task
+        if ":" in name:
+            module, _, func = name.partition(":")
+            if not module or not func or ":" in func:
+                raise ConfigError("task", f"got {name!r}; a user reward is written 'package.module:function'")
+        elif not name:
+            raise ConfigError("task", "got ''; must be a registered task name or 'module:function'")
+
+
+@renamed_fields(reward="task")
+@dataclass(kw_only=True)
+class DataConfig(PromptFilesConfig):
+    """Training and evaluation prompts, how they are templated, and the task that scores them."""
+
+    ground_truth_key: str = "ground_truth"
+    """Column (key) of a row holding what the reward function compares against."""
 
     reward_modules: list[str] = field(default_factory=list)
     """Modules (or packages, with their submodules) whose functions may be named as
@@ -66,33 +93,17 @@ class DataConfig:
     """Worker processes that score responses (model output is parsed there, never
     executed); at most 512."""
 
-    prompt_template: Literal["chat", "literal", "none"] = "chat"
-    """``chat``: the prompt as a user message in the tokenizer's chat template; ``literal``:
-    the task's own fixed template (as in the papers' code), without the tokenizer's;
-    ``none``: the prompt text is tokenised as is."""
-
-    shuffle: bool = True
-    """Shuffle training prompts (seeded by ``trainer.seed``) each pass over the data."""
-
     def __post_init__(self) -> None:
-        check_literals(self)
+        super().__post_init__()
         require_range("reward_timeout_s", self.reward_timeout_s, gt=0.0, le=MAX_TIMEOUT_S)
         require_range("num_reward_workers", self.num_reward_workers, ge=1, le=512)
         require_range("reward_memory_mb", self.reward_memory_mb, ge=0, le=1 << 24)
         require_range("max_abs_reward", self.max_abs_reward, gt=0.0)
-        for key in ("prompt_key", "ground_truth_key"):
-            if not getattr(self, key):
-                raise ConfigError(key, "got ''; must name a column")
+        if not self.ground_truth_key:
+            raise ConfigError("ground_truth_key", "got ''; must name a column")
         for i, module in enumerate(self.reward_modules):
             if not isinstance(module, str) or not all(part.isidentifier() for part in module.split(".")):
                 raise ConfigError(f"reward_modules[{i}]", f"got {module!r}; must be a module name like 'my_pkg.rewards'")
-        name = self.task
-        if ":" in name:
-            module, _, func = name.partition(":")
-            if not module or not func or ":" in func:
-                raise ConfigError("task", f"got {name!r}; a user reward is written 'package.module:function'")
-        elif not name:
-            raise ConfigError("task", "got ''; must be a registered task name or 'module:function'")
 
 
 @dataclass(kw_only=True)

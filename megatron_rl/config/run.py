@@ -16,7 +16,7 @@ from megatron_rl.config.rollout import RolloutConfig
 from megatron_rl.config.trainer import ActorConfig, TrainerConfig
 
 
-def _default_model() -> ModelConfig:
+def default_model() -> ModelConfig:
     # The default run is the tiny CPU one; a `model:` section in YAML starts from
     # ModelConfig's own defaults and must name hf_config or tiny itself.
     return ModelConfig(tiny=TinyModelConfig())
@@ -27,11 +27,69 @@ FP8_ALIGN_TOKENS = {"mxfp8": 32}
 ``fp8_utils.get_fp8_align_size``, which this config layer may not import;
 ``tests/unit/test_fp8_padding.py`` checks the two agree."""
 
+
+def check_actor_sections(model: ModelConfig, parallel: ParallelConfig, actor: ActorConfig) -> None:
+    """What the actor cannot be built with, whatever trains it (``train`` or ``sft``): a
+    ``ConfigError`` naming the field, never a setting left unused."""
+    multiple = actor.pad_tokens_to_multiple_of
+    if model.fp8 is not None and multiple is not None:
+        align = FP8_ALIGN_TOKENS.get(model.fp8_recipe, 16)
+        if multiple % align:
+            raise ConfigError(
+                "actor.pad_tokens_to_multiple_of",
+                f"got {multiple}; FP8 GEMMs of model.fp8_recipe {model.fp8_recipe!r} need token counts "
+                f"aligned to {align} (use a multiple of {align}, or null for the recipe's own)",
+            )
+    if parallel.context_parallel_size > 1:
+        raise ConfigError(
+            "parallel.context_parallel_size",
+            f"got {parallel.context_parallel_size}; context parallelism is not supported yet",
+        )
+    lora = actor.lora
+    if lora is None:
+        return
+    if model.use_te or model.fp8 is not None:
+        raise ConfigError(
+            "actor.lora",
+            "adapters sit on megatron's local linear layers, not the Transformer-Engine spec's fused ones: "
+            f"set model.use_te false or null (got {model.use_te}) and model.fp8 null (got {model.fp8!r})",
+        )
+    experts_targeted = sorted({"linear_fc1", "linear_fc2"} & set(lora.target_modules))
+    if model.tiny is not None and model.tiny.num_experts > 0 and experts_targeted:
+        raise ConfigError(
+            "actor.lora.target_modules",
+            f"{experts_targeted} on a mixture-of-experts model: its experts take no adapters; target attention "
+            "(linear_qkv, linear_proj) only",
+        )
+
+
+def check_tiny_model_fits(model: ModelConfig, parallel: ParallelConfig, longest: int, field: str, what: str) -> None:
+    """Checks that need the architecture, possible only for the inline ``tiny`` model (an HF
+    config is read when the run starts and checked there): the layout divides its heads and
+    layers, and the longest sequence (``what`` = ``longest`` tokens, set by ``field``) fits
+    its positions."""
+    tiny = model.tiny
+    if tiny is None:
+        return
+    tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
+    for name in ("num_attention_heads", "num_key_value_heads"):
+        if getattr(tiny, name) % tp:
+            raise ConfigError(
+                "parallel.tensor_model_parallel_size", f"got {tp}; must divide model.tiny.{name} ({getattr(tiny, name)})"
+            )
+    if tiny.num_layers % pp:
+        raise ConfigError(
+            "parallel.pipeline_model_parallel_size", f"got {pp}; must divide model.tiny.num_layers ({tiny.num_layers})"
+        )
+    if longest > tiny.max_position_embeddings:
+        raise ConfigError(field, f"{what} = {longest} exceeds model.tiny.max_position_embeddings "
+                          f"({tiny.max_position_embeddings})")  # fmt: skip
+
 @dataclass(kw_only=True)
 class RunConfig:
     """A whole RL run: one section per component, each documented field by field."""
 
-    model: ModelConfig = field(default_factory=_default_model)
+    model: ModelConfig = field(default_factory=default_model)
     """The policy model, its initial weights and numerics."""
 
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -57,8 +115,9 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         self._check_batching()
-        self._check_fp8_padding()
-        self._check_model_fits()
+        check_actor_sections(self.model, self.parallel, self.actor)
+        check_tiny_model_fits(self.model, self.parallel, self.rollout.max_sequence_tokens,
+                              "rollout.max_new_tokens", "rollout.max_prompt_tokens + rollout.max_new_tokens")  # fmt: skip
         self._check_supported()
         self._check_lora()
         self._warn_ignored()
@@ -85,50 +144,8 @@ class RunConfig:
                 f"rollout.max_prompt_tokens + rollout.max_new_tokens = {longest}",
             )
 
-    def _check_fp8_padding(self) -> None:
-        multiple = self.actor.pad_tokens_to_multiple_of
-        if self.model.fp8 is None or multiple is None:
-            return
-        align = FP8_ALIGN_TOKENS.get(self.model.fp8_recipe, 16)
-        if multiple % align:
-            raise ConfigError(
-                "actor.pad_tokens_to_multiple_of",
-                f"got {multiple}; FP8 GEMMs of model.fp8_recipe {self.model.fp8_recipe!r} need token counts "
-                f"aligned to {align} (use a multiple of {align}, or null for the recipe's own)",
-            )
-
-    def _check_model_fits(self) -> None:
-        """Checks that need the architecture, possible only for the inline ``tiny`` model."""
-        tiny, par = self.model.tiny, self.parallel
-        if tiny is None:
-            return  # an HF config is read when the run starts; it is checked there
-        tp, pp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size
-        for name in ("num_attention_heads", "num_key_value_heads"):
-            if getattr(tiny, name) % tp:
-                raise ConfigError(
-                    "parallel.tensor_model_parallel_size",
-                    f"got {tp}; must divide model.tiny.{name} ({getattr(tiny, name)})",
-                )
-        if tiny.num_layers % pp:
-            raise ConfigError(
-                "parallel.pipeline_model_parallel_size",
-                f"got {pp}; must divide model.tiny.num_layers ({tiny.num_layers})",
-            )
-        if self.rollout.max_sequence_tokens > tiny.max_position_embeddings:
-            raise ConfigError(
-                "rollout.max_new_tokens",
-                f"rollout.max_prompt_tokens + rollout.max_new_tokens = {self.rollout.max_sequence_tokens} "
-                f"exceeds model.tiny.max_position_embeddings ({tiny.max_position_embeddings})",
-            )
-
     def _check_supported(self) -> None:
         """Settings the sections accept but the run cannot act on yet: an error, never a no-op."""
-        par = self.parallel
-        if par.context_parallel_size > 1:
-            raise ConfigError(
-                "parallel.context_parallel_size",
-                f"got {par.context_parallel_size}; context parallelism is not supported yet",
-            )
         roll = self.rollout
         if roll.weight_transport == "cuda_ipc" and (roll.engine != "vllm" or roll.placement != "colocated"):
             raise ConfigError(
@@ -157,24 +174,10 @@ class RunConfig:
                 raise ConfigError("rollout.lora_sync", "adapter: the actor has no adapters (actor.lora is null); "
                                   "use merged")  # fmt: skip
             return
-        if self.model.use_te or self.model.fp8 is not None:
-            raise ConfigError(
-                "actor.lora",
-                "adapters sit on megatron's local linear layers, not the Transformer-Engine spec's fused ones: "
-                f"set model.use_te false or null (got {self.model.use_te}) and model.fp8 null (got {self.model.fp8!r})",
-            )
         if self.actor.reference_offload:
             raise ConfigError(
                 "actor.reference_offload",
                 "true with actor.lora: the reference policy is the actor with its adapters off, no copy to offload",
-            )
-        tiny = self.model.tiny
-        experts_targeted = sorted({"linear_fc1", "linear_fc2"} & set(lora.target_modules))
-        if tiny is not None and tiny.num_experts > 0 and experts_targeted:
-            raise ConfigError(
-                "actor.lora.target_modules",
-                f"{experts_targeted} on a mixture-of-experts model: its experts take no adapters; target attention "
-                "(linear_qkv, linear_proj) only",
             )
 
     def _warn_ignored(self) -> None:

@@ -170,18 +170,7 @@ def load_rows(
     for path in paths:
         before = len(rows)
         for row_no, record in iter_records(path):
-            prompt = _lookup(record, prompt_key)
-            if prompt is _MISSING or prompt is None:
-                state = "missing" if prompt is _MISSING else "null"
-                raise DataError(f"prompt is {state}", file=path, row=row_no, field=prompt_key)
-            if not isinstance(prompt, str):
-                raise DataError(
-                    f"prompt must be a string, got {type(prompt).__name__}", file=path, row=row_no, field=prompt_key
-                )
-            if not prompt.strip():
-                raise DataError("prompt is empty", file=path, row=row_no, field=prompt_key)
-            if "\x00" in prompt:
-                raise DataError("prompt holds a NUL character", file=path, row=row_no, field=prompt_key)
+            prompt = _text(record, prompt_key, "prompt", path, row_no)
             truth = _lookup(record, ground_truth_key)
             if truth is _MISSING or truth is None:
                 state = "missing" if truth is _MISSING else "null"
@@ -190,6 +179,56 @@ def load_rows(
                 raise DataError("ground truth holds NaN or an infinity", file=path, row=row_no, field=ground_truth_key)
             metadata = {k: v for k, v in record.items() if k not in (prompt_key, ground_truth_key)}
             rows.append(PromptRow(prompt=prompt, ground_truth=truth, file=str(path), row=row_no, metadata=metadata))
+        if len(rows) == before:
+            raise DataError("the file holds no rows", file=path)
+    return rows
+
+
+def _text(record: dict[str, Any], key: str, what: str, path: str | os.PathLike, row_no: int) -> str:
+    """The non-empty string field ``key`` of a row (``what`` names it in errors)."""
+    value = _lookup(record, key)
+    if value is _MISSING or value is None:
+        raise DataError(f"{what} is {'missing' if value is _MISSING else 'null'}", file=path, row=row_no, field=key)
+    if not isinstance(value, str):
+        raise DataError(f"{what} must be a string, got {type(value).__name__}", file=path, row=row_no, field=key)
+    if not value.strip():
+        raise DataError(f"{what} is empty", file=path, row=row_no, field=key)
+    if "\x00" in value:
+        raise DataError(f"{what} holds a NUL character", file=path, row=row_no, field=key)
+    return value
+
+
+@dataclass(kw_only=True, frozen=True)
+class SFTRow:
+    """One prompt/response row of a supervised fine-tuning set."""
+
+    prompt: str
+    """The prompt field (templated later, as an RL run's prompts are: ``data.prompts``)."""
+
+    response: str
+    """The response field: the text the model learns to continue the rendered prompt with."""
+
+    file: str
+    """The file the row was read from."""
+
+    row: int
+    """1-based row number in that file."""
+
+
+def load_sft_rows(
+    paths: str | os.PathLike | Sequence[str | os.PathLike], *, prompt_key: str = "prompt", response_key: str = "response"
+) -> list[SFTRow]:
+    """All prompt/response rows of the files, in order, checked as :func:`load_rows` checks
+    a prompt (both fields non-empty strings without NUL)."""
+    if isinstance(paths, (str, os.PathLike)):
+        paths = [paths]
+    rows = []
+    for path in paths:
+        before = len(rows)
+        for row_no, record in iter_records(path):
+            prompt = _text(record, prompt_key, "prompt", path, row_no)
+            response = _text(record, response_key, "response", path, row_no)
+            rows.append(SFTRow(prompt=prompt, response=response, file=str(path), row=row_no))
         if len(rows) == before:
             raise DataError("the file holds no rows", file=path)
     return rows

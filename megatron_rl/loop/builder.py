@@ -61,7 +61,7 @@ from megatron_rl.rollout.pool.worker import engine_class
 from megatron_rl.tasks import Task
 from megatron_rl.weight_sync.sync import WeightSync, resolve_transport
 
-__all__ = ["RayClusterError", "Run", "actor_spec", "build_run"]
+__all__ = ["RayClusterError", "Run", "actor_spec", "build_run", "start_ray"]
 
 
 class RayClusterError(RuntimeError):
@@ -186,7 +186,7 @@ def build_run(config: RunConfig, *, checked: Preflight | None = None) -> Run:
     lock = lock_run_dir(run_dir)  # one run per directory; created if missing
     try:
         save_resolved(config, run_dir)
-        _start_ray(run_dir)
+        start_ray(run_dir)
         data = config.data
         rewards = RewardPool(checked.task.reward, num_workers=data.num_reward_workers, timeout_s=data.reward_timeout_s,
                              memory_mb=data.reward_memory_mb or None, max_abs_score=data.max_abs_reward)  # fmt: skip
@@ -204,7 +204,7 @@ def build_run(config: RunConfig, *, checked: Preflight | None = None) -> Run:
     return run
 
 
-def _start_ray(run_dir: Path) -> None:
+def start_ray(run_dir: Path) -> None:
     """Ray for the run: the cluster ``RAY_ADDRESS`` names (Slurm's), else a local one of the
     run's own, never one named by a file another cluster left (``address="local"``; Ray's
     default reads ``/tmp/ray/ray_current_cluster``, stale or someone else's)."""

@@ -40,6 +40,7 @@ from megatron_rl.actor.spec import ActorSpec
 from megatron_rl.config.lib import ConfigError, UnknownNameError, warn_config
 from megatron_rl.config.parallel import ParallelConfig
 from megatron_rl.config.run import RunConfig
+from megatron_rl.config.sft import SFTRunConfig
 from megatron_rl.data.loaders import PromptRow, duplicate_ids, load_rows
 from megatron_rl.data.prompts import PromptEncoder
 from megatron_rl.storage.checkpoints import (
@@ -53,7 +54,10 @@ from megatron_rl.storage.checkpoints import (
 )
 from megatron_rl.tasks import Task
 
-__all__ = ["Preflight", "TASK_KEY", "check_registries", "preflight"]
+__all__ = [
+    "Preflight", "TASK_KEY", "check_architecture", "check_initial_weights", "check_registries", "check_resume_fits",
+    "check_writable", "load_tokenizer", "preflight", "resume_checkpoint",
+]  # fmt: skip
 
 TASK_KEY = "data.task"
 """The config field naming the task (formerly ``data.reward``, still accepted)."""
@@ -88,10 +92,10 @@ def preflight(config: RunConfig, *, task_key: str = TASK_KEY) -> Preflight:
     """
     task = check_registries(config, task_key=task_key)
     hf_config = _check_architecture(config)
-    _check_initial_weights(config)
+    check_initial_weights(config)
     _check_engine(config, hf_config)
-    resume = _resume_checkpoint(config)
-    tokenizer = _tokenizer(config)
+    resume = resume_checkpoint(config)
+    tokenizer = load_tokenizer(config)
     if len(tokenizer) > hf_config["vocab_size"]:
         raise ConfigError(
             "model.tokenizer",
@@ -103,8 +107,9 @@ def preflight(config: RunConfig, *, task_key: str = TASK_KEY) -> Preflight:
     )  # fmt: skip
     train_rows, eval_rows = _check_rows(config, encoder)
     if resume.path is not None:
-        _check_resume_fits(config, resume, num_train_rows=len(train_rows))
-    _check_writable(config.run_dir)
+        spec = ActorSpec(architecture={}, trainer=config.trainer, algorithm=config.algorithm)
+        check_resume_fits(config, resume, num_train_rows=len(train_rows), spec=spec)
+    check_writable(config.run_dir)
     return Preflight(
         task=task, hf_config=hf_config, tokenizer=tokenizer, encoder=encoder,
         train_rows=train_rows, eval_rows=eval_rows, resume=resume,
@@ -136,7 +141,7 @@ def check_registries(config: RunConfig, *, task_key: str = TASK_KEY) -> Task:
     return task
 
 
-def _read_hf_config(config: RunConfig) -> tuple[dict[str, Any], str, str]:
+def _read_hf_config(config: RunConfig | SFTRunConfig) -> tuple[dict[str, Any], str, str]:
     """``(config.json dict, field, 'path: ')`` of the model; its ``model_type`` is registered."""
     from megatron_rl.models.registry import ADAPTERS
 
@@ -164,7 +169,21 @@ def _read_hf_config(config: RunConfig) -> tuple[dict[str, Any], str, str]:
 
 
 def _check_architecture(config: RunConfig) -> dict[str, Any]:
-    """The model's dimensions fit the parallel layout and the sequence lengths."""
+    """The model's dimensions fit the parallel layout, the sequence lengths and routing replay."""
+    hf_config, adapter, where = check_architecture(
+        config, longest=config.rollout.max_sequence_tokens, longest_field="rollout.max_new_tokens",
+        longest_what="rollout.max_prompt_tokens + rollout.max_new_tokens",
+    )  # fmt: skip
+    _check_routing_replay(config, adapter, where=where)
+    return hf_config
+
+
+def check_architecture(
+    config: RunConfig | SFTRunConfig, *, longest: int, longest_field: str, longest_what: str
+) -> tuple[dict[str, Any], Any, str]:
+    """The model (``config.model``) builds at the layout (``config.parallel``) and fits the
+    longest sequence (``longest_what`` = ``longest`` tokens, set by ``longest_field``);
+    returns its ``config.json`` dict, its adapter and how errors name it."""
     from megatron_rl.models.registry import adapter_for_config
     from megatron_rl.models.weight_units import ConversionError
 
@@ -177,7 +196,6 @@ def _check_architecture(config: RunConfig) -> dict[str, Any]:
         raise ConfigError(key, f"{source}{type(e).__name__}: {e}") from None
     par, where = config.parallel, source.rstrip(": ") or "the model"
     check_expert_layout(adapter, hf_config, par, where=where)
-    _check_routing_replay(config, adapter, where=where)
     if adapter.not_yet:
         raise ConfigError(key, f"{source}model_type {adapter.model_type!r} cannot be trained: {adapter.not_yet}")
     tp, pp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size
@@ -190,13 +208,12 @@ def _check_architecture(config: RunConfig) -> dict[str, Any]:
         raise ConfigError(
             "parallel.pipeline_model_parallel_size", f"got {pp}; must divide the {dims.num_layers} layers of {where}"
         )
-    if config.rollout.max_sequence_tokens > dims.max_position_embeddings:
+    if longest > dims.max_position_embeddings:
         raise ConfigError(
-            "rollout.max_new_tokens",
-            f"rollout.max_prompt_tokens + rollout.max_new_tokens = {config.rollout.max_sequence_tokens} exceeds "
-            f"the max_position_embeddings ({dims.max_position_embeddings}) of {where}",
+            longest_field,
+            f"{longest_what} = {longest} exceeds the max_position_embeddings ({dims.max_position_embeddings}) of {where}",
         )
-    return hf_config
+    return hf_config, adapter, where
 
 
 def check_expert_layout(adapter: Any, hf_config: dict[str, Any], par: ParallelConfig, *, where: str) -> None:
@@ -274,7 +291,7 @@ def _is_vllm_cpu_build() -> bool:
     return True
 
 
-def _check_initial_weights(config: RunConfig) -> None:
+def check_initial_weights(config: RunConfig | SFTRunConfig) -> None:
     """``init: pretrained`` names a HF safetensors directory or a Megatron checkpoint."""
     source = config.model.initial_weights
     if source is None:
@@ -349,7 +366,7 @@ def _check_vllm_cpu_head_size(hf_config: dict[str, Any]) -> None:
 # --------------------------------------------------------------------------- the checkpoint to resume from
 
 
-def _resume_checkpoint(config: RunConfig) -> ResumeChoice:
+def resume_checkpoint(config: RunConfig | SFTRunConfig) -> ResumeChoice:
     """The checkpoint ``trainer.resume`` names, checked (falling back past broken ones)."""
     mode, folder = config.trainer.resume, config.run_dir / "checkpoints"
     if mode == "never":
@@ -381,8 +398,9 @@ def _resume_checkpoint(config: RunConfig) -> ResumeChoice:
     return choice
 
 
-def _check_resume_fits(config: RunConfig, resume: ResumeChoice, *, num_train_rows: int) -> None:
-    """The checkpoint's data cursor and optimizer settings agree with this config."""
+def check_resume_fits(config: RunConfig | SFTRunConfig, resume: ResumeChoice, *, num_train_rows: int, spec: ActorSpec) -> None:
+    """The checkpoint's data cursor and optimizer settings agree with this config (``spec``:
+    the actor's, which sizes the LR decay)."""
     state = resume.record["trainer"]
     saved_rows = state["sampler"].get("num_rows")
     if saved_rows != num_train_rows:
@@ -391,8 +409,8 @@ def _check_resume_fits(config: RunConfig, resume: ResumeChoice, *, num_train_row
             f"the files hold {num_train_rows} rows but checkpoint {resume.path} was written with {saved_rows}: "
             "resuming would not continue the same data order",
         )
-    _check_resume_base(config, resume)
-    differences = _optimizer_differences(config, resume.record)
+    check_resume_base(config, resume)
+    differences = _optimizer_differences(config, resume.record, spec)
     if not differences:
         return
     if config.trainer.resume_optimizer_schedule == "config":
@@ -417,7 +435,7 @@ def _check_resume_fits(config: RunConfig, resume: ResumeChoice, *, num_train_row
         setattr(config.trainer, name, theirs)
 
 
-def _check_resume_base(config: RunConfig, resume: ResumeChoice) -> None:
+def check_resume_base(config: RunConfig | SFTRunConfig, resume: ResumeChoice) -> None:
     """An adapter-only LoRA checkpoint resumes over the base weights it was trained over: the
     run's initial weights must be those (the same fingerprint; they load before it)."""
     recorded = resume.record.get(BASE_WEIGHTS_KEY)
@@ -436,7 +454,7 @@ def _check_resume_base(config: RunConfig, resume: ResumeChoice) -> None:
         )
 
 
-def _optimizer_differences(config: RunConfig, record: dict[str, Any]) -> list[tuple[str, Any, Any]]:
+def _optimizer_differences(config: RunConfig | SFTRunConfig, record: dict[str, Any], spec: ActorSpec) -> list[tuple[str, Any, Any]]:
     """``(trainer field, config value, checkpoint value)`` for every optimizer setting that differs."""
     trainer, sched, adam = config.trainer, record.get("scheduler") or {}, record.get("adam") or {}
     pairs = [
@@ -450,7 +468,6 @@ def _optimizer_differences(config: RunConfig, record: dict[str, Any]) -> list[tu
         ("adam_eps", trainer.adam_eps, adam.get("eps")),
     ]
     if trainer.lr_schedule != "constant":
-        spec = ActorSpec(architecture={}, trainer=trainer, algorithm=config.algorithm)
         # As actor/optimizer.py's build_optimizer sizes the decay.
         decay_steps = max(spec.lr_decay_steps, trainer.lr_warmup_steps + 1, 1)
         pairs.append(("num_steps", decay_steps, sched.get("lr_decay_steps")))
@@ -460,7 +477,7 @@ def _optimizer_differences(config: RunConfig, record: dict[str, Any]) -> list[tu
 # --------------------------------------------------------------------------- tokenizer, rows, run directory
 
 
-def _tokenizer(config: RunConfig):
+def load_tokenizer(config: RunConfig | SFTRunConfig):
     source = config.model.tokenizer or config.model.hf_config or config.model.checkpoint
     key = "model.tokenizer" if config.model.tokenizer or config.model.hf_config is None else "model.hf_config"
     if source is None:
@@ -509,7 +526,7 @@ MIN_FREE_BYTES = 256 << 10
 """Free space a run directory's file system must have at start (the config, lock, logs)."""
 
 
-def _check_writable(run_dir: Path) -> None:
+def check_writable(run_dir: Path) -> None:
     """``run_dir`` exists and is writable, or can be created (nothing is created here)."""
     existing = run_dir
     while not existing.exists() and existing != existing.parent:

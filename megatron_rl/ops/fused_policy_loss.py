@@ -34,6 +34,7 @@ import torch.distributed as dist
 from megatron_rl.algo.config import AlgorithmConfig
 from megatron_rl.algo.mismatch import truncated_is_weights
 from megatron_rl.algo.policy_loss import LossOutput, compute_policy_loss
+from megatron_rl.algo.sft import SFTObjective, compute_sft_loss
 from megatron_rl.ops.token_rows import loss_rows, scatter_rows, select_tokens
 from megatron_rl.ops.vocab_parallel import (
     KERNELS,
@@ -101,7 +102,8 @@ class LossInputs:
     """Old-policy log-probs; ``None``: the logits are the old policy's own (an on-policy
     update's first optimizer step), so the old log-probs are the current ones, detached,
     and the ratio is exactly 1."""
-    advantages: torch.Tensor
+    advantages: torch.Tensor | None
+    """Token advantages (reweighting applied); ``None`` for the SFT objective, which has none."""
     mask: torch.Tensor
     ref_logp: torch.Tensor | None = None
     phase: str | None = None
@@ -209,7 +211,7 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def _loss_on_tokens(
-    stats: SoftmaxStats, inputs: LossInputs, config: AlgorithmConfig, need_grad: bool
+    stats: SoftmaxStats, inputs: LossInputs, config: AlgorithmConfig | SFTObjective, need_grad: bool
 ) -> tuple[LossOutput, torch.Tensor | None, torch.Tensor | None]:
     """Run the ``algo/`` loss with autograd on the ``[T]`` log-probs and entropies.
 
@@ -221,25 +223,29 @@ def _loss_on_tokens(
     entropy = stats.entropy.reshape(shape).detach()
     entropy_needs_grad = need_grad and config.entropy_coef > 0.0
     entropy.requires_grad_(entropy_needs_grad)
-    old_logp = logp.detach() if inputs.old_logp is None else inputs.old_logp.to(logp.dtype)
-    advantages = inputs.advantages.to(logp.dtype)
-    if inputs.engine_logp is not None:  # the old log-probs exist only now: TIS applies here
-        advantages = advantages * truncated_is_weights(old_logp, inputs.engine_logp, inputs.mask, inputs.tis_cap).to(
-            logp.dtype
-        )
     with torch.enable_grad():
-        out = compute_policy_loss(
-            logp,
-            old_logp,
-            advantages,
-            inputs.mask,
-            config,
-            ref_logp=None if inputs.ref_logp is None else inputs.ref_logp.to(logp.dtype),
-            entropy=entropy,
-            phase=inputs.phase,
-            prepass=inputs.prepass,
-            seq_index=inputs.seq_index,
-        )
+        if isinstance(config, SFTObjective):
+            out = compute_sft_loss(logp, inputs.mask)
+        else:
+            old_logp = logp.detach() if inputs.old_logp is None else inputs.old_logp.to(logp.dtype)
+            if inputs.advantages is None:
+                raise ValueError("the policy loss needs inputs.advantages")
+            advantages = inputs.advantages.to(logp.dtype)
+            if inputs.engine_logp is not None:  # the old log-probs exist only now: TIS applies here
+                tis = truncated_is_weights(old_logp, inputs.engine_logp, inputs.mask, inputs.tis_cap)
+                advantages = advantages * tis.to(logp.dtype)
+            out = compute_policy_loss(
+                logp,
+                old_logp,
+                advantages,
+                inputs.mask,
+                config,
+                ref_logp=None if inputs.ref_logp is None else inputs.ref_logp.to(logp.dtype),
+                entropy=entropy,
+                phase=inputs.phase,
+                prepass=inputs.prepass,
+                seq_index=inputs.seq_index,
+            )
         grad_logp = grad_entropy = None
         if need_grad:
             wrt = [logp, entropy] if entropy_needs_grad else [logp]
@@ -256,7 +262,7 @@ class _FusedPolicyLoss(torch.autograd.Function):
     """Loss sum from logits ``[T, V_local]``; the logit gradient is built during forward."""
 
     @staticmethod
-    def forward(ctx, logits, inputs: LossInputs, config: AlgorithmConfig, options: VocabParallelOptions, holder):
+    def forward(ctx, logits, inputs: LossInputs, config: AlgorithmConfig | SFTObjective, options: VocabParallelOptions, holder):
         flat = logits.reshape(-1, logits.shape[-1])
         kernel = resolve_kernel(options.kernel, flat)
         ws = _workspace(flat.shape[0], flat.shape[-1], options, logits.dtype, logits.device, kernel)
@@ -505,7 +511,7 @@ def _finish_grad_norms(stats: SoftmaxStats, sq_norm: torch.Tensor | None, option
 def fused_policy_loss(
     logits: torch.Tensor,
     inputs: LossInputs,
-    config: AlgorithmConfig,
+    config: AlgorithmConfig | SFTObjective,
     options: VocabParallelOptions | None = None,
 ) -> tuple[LossOutput, SoftmaxStats]:
     """Token-weighted policy loss straight from vocab-parallel logits.
@@ -515,7 +521,9 @@ def fused_policy_loss(
             runs in float32 per chunk), differentiable.
         inputs: targets, old/ref log-probs, advantages (reweighting applied), mask, the
             update phase, pre-pass statistics, sequence ids; per-token tensors ``[*S]``.
-        config: the ``algorithm`` config (the loss math is ``algo.compute_policy_loss``).
+        config: the ``algorithm`` config (the loss math is ``algo.compute_policy_loss``), or
+            ``algo.sft.SFT_OBJECTIVE`` for the response tokens' negative log-likelihood
+            (``algo.sft.compute_sft_loss``; only ``targets`` and ``mask`` are read).
         options: temperature, TP group, vocab padding, chunk size.
 
     Returns:
@@ -536,7 +544,7 @@ def fused_linear_policy_loss(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     inputs: LossInputs,
-    config: AlgorithmConfig,
+    config: AlgorithmConfig | SFTObjective,
     options: VocabParallelOptions | None = None,
     *,
     weight_main_grad: torch.Tensor | None = None,

@@ -7,7 +7,10 @@ ranks: (1,1)x4, (2,1)x2, (1,2)x2, (2,2)x1, all on the same 8-sequence batch.
 
 * the same loss, grad norm and updated weights at every layout (<= 1e-5, fp32), for a
   GRPO+KL+entropy step and an AR+Lopti+STAPO step (STAPO's threshold gathered over DP);
-* the number of micro-batches (1 vs 3 at TP=2 x PP=2) does not change the update;
+* an SFT step (``MegatronActor.sft_step``) after them: its loss equals transformers' float64
+  cross-entropy of the response tokens (temperature 1), and loss, grad norm and weights
+  agree across the layouts;
+* the number of micro-batches (1 vs 3 at TP=2 x PP=2) does not change the update (RL or SFT);
 * log-probs / entropies equal a transformers forward (<= 1e-4) for Qwen2 (untied and
   tied), Qwen3 and Llama, and every rank returns the same values;
 * save at TP=2 -> load -> one more step is bit-identical to not stopping (optimizer
@@ -70,6 +73,22 @@ def test_layouts_give_the_same_step(job, step):
     assert job["r0"]["weights_step1_change"] > 50 * TOL
 
 
+def test_sft_step_is_the_float64_cross_entropy_at_every_layout(job):
+    # Step 3 is MegatronActor.sft_step: loss = mean NLL of the response tokens at temperature 1
+    # (the rollout temperature, 0.7, must not enter), over DP 4/2/2/1 and 1-3 micro-batches.
+    layouts = job["r0"]["layouts"]
+    ref = layouts["tp1_pp1"]["step3"]
+    for key in LAYOUTS:
+        m = layouts[key]["step3"]
+        assert m["actor/step_skipped"] == 0.0
+        assert abs(m["loss/total"] - layouts[key]["sft_nll_float64"]) <= TOL, (key, m["loss/total"])
+        assert m["loss/nll"] == pytest.approx(m["loss/total"], rel=1e-6)  # float64 sum of float32 terms vs the loss sum
+        assert m["loss/active_tokens"] == layouts[key]["step1"]["loss/active_tokens"] > 0  # every response token
+        assert _close(m["actor/grad_norm"], ref["actor/grad_norm"]), (key, m["actor/grad_norm"], ref["actor/grad_norm"])
+        assert layouts[key]["weights_step3_vs_tp1_pp1"] <= TOL, key
+    assert ref["actor/grad_norm"] > 0.1 and 1.0 < ref["loss/total"] < 20.0  # a real gradient on a ~log(250) loss
+
+
 def test_second_step_exercises_ar_lopti_stapo(job):
     m = job["r0"]["layouts"]["tp2_pp1"]["step2"]
     assert 0.0 < m["loss/lopti/low_frac"] < 1.0
@@ -82,6 +101,10 @@ def test_microbatch_count_does_not_change_the_update(job):
     assert mb["counts"] == [1.0, 3.0]
     assert _close(mb["loss"][1], mb["loss"][0]) and _close(mb["grad_norm"][1], mb["grad_norm"][0])
     assert mb["weights_max_diff"] <= TOL
+    # ... nor the SFT step's
+    assert mb["sft_counts"] == [1.0, 3.0]
+    assert _close(mb["sft_loss"][1], mb["sft_loss"][0]) and _close(mb["sft_grad_norm"][1], mb["sft_grad_norm"][0])
+    assert mb["sft_weights_max_diff"] <= TOL
 
 
 def test_tied_embeddings_with_pipeline_parallelism(job):
@@ -174,11 +197,11 @@ def test_nan_step_is_skipped_and_counted(job):
     entry = job["r0"]["layouts"]["tp1_pp2"]
     nan = entry["nan_step"]
     assert nan["metrics"]["actor/step_skipped"] == 1.0 and nan["metrics"]["actor/skipped_steps_total"] == 1.0
-    assert nan["metrics"]["actor/optimizer_steps_total"] == 2.0
+    assert nan["metrics"]["actor/optimizer_steps_total"] == 3.0  # two RL steps and an SFT step before it
     assert not math.isfinite(nan["metrics"]["loss/total"])
-    assert nan["weights_unchanged"] and nan["adam_step"] == 2.0
+    assert nan["weights_unchanged"] and nan["adam_step"] == 3.0
     assert entry["after_nan_step"] == {
-        "actor/step_skipped": 0.0, "actor/optimizer_steps_total": 3.0, "actor/skipped_steps_total": 1.0,
+        "actor/step_skipped": 0.0, "actor/optimizer_steps_total": 4.0, "actor/skipped_steps_total": 1.0,
     }  # fmt: skip
 
 

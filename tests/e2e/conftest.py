@@ -9,6 +9,7 @@ ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "tiny_cpu.yaml"
 MOE_EXAMPLE = ROOT / "examples" / "tiny_cpu_moe.yaml"
 LORA_EXAMPLE = ROOT / "examples" / "tiny_cpu_lora.yaml"
+SFT_EXAMPLE = ROOT / "examples" / "tiny_cpu_sft.yaml"
 TOY = ROOT / "examples" / "data" / "toy"
 
 
@@ -24,10 +25,14 @@ def tiny_overrides(output_dir, *extra: str) -> list[str]:
     ]
 
 
-def tiny_config(output_dir, *extra: str, example: Path = EXAMPLE):
+def tiny_config(output_dir, *extra: str, example: Path = EXAMPLE, command: str = "train"):
+    """The example's config (an RL run's, or an SFT run's for ``command="sft"``) with
+    :func:`tiny_overrides`."""
     from megatron_rl.config.run import load_run_config
+    from megatron_rl.config.sft import load_sft_config
 
-    return load_run_config(example, tiny_overrides(output_dir, *extra))
+    load = load_sft_config if command == "sft" else load_run_config
+    return load(example, tiny_overrides(output_dir, *extra))
 
 
 BASELINE = ("trainer.num_steps=3", "trainer.eval_every_steps=0", "trainer.save_every_steps=0")
@@ -125,14 +130,14 @@ def ray_session():
     shared_ray("e2e")
 
 
-def train_cli(out_dir, *extra, log: Path | None = None, example: Path = EXAMPLE):
-    """``megatron-rl train`` of the tiny demo (or ``example``) in a new process group (so a
-    kill reaches every process); its output to ``log`` when given (a pipe nobody reads can
-    fill and stall it)."""
+def train_cli(out_dir, *extra, log: Path | None = None, example: Path = EXAMPLE, command: str = "train"):
+    """``megatron-rl train`` (or ``command``: ``sft``) of the tiny demo (or ``example``) in a
+    new process group (so a kill reaches every process); its output to ``log`` when given (a
+    pipe nobody reads can fill and stall it)."""
     import subprocess
     import sys
 
-    cmd = [sys.executable, "-m", "megatron_rl", "train", str(example), *tiny_overrides(out_dir, *extra)]
+    cmd = [sys.executable, "-m", "megatron_rl", command, str(example), *tiny_overrides(out_dir, *extra)]
     out = subprocess.PIPE if log is None else open(log, "w")  # noqa: SIM115  (closed with the process)
     return subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)  # fmt: skip
@@ -149,8 +154,10 @@ class KilledAndResumed:
     latest_after_kill: str
 
 
-def kill9_and_resume(tmp_path, *args: str, checkpointed: int, logged: int, example: Path = EXAMPLE) -> KilledAndResumed:
-    """Run the demo (or ``example``) with ``args`` uninterrupted (``tmp_path/a``) and, at the same time, again
+def kill9_and_resume(
+    tmp_path, *args: str, checkpointed: int, logged: int, example: Path = EXAMPLE, command: str = "train"
+) -> KilledAndResumed:
+    """Run the demo (or ``example``, with ``megatron-rl command``) with ``args`` uninterrupted (``tmp_path/a``) and, at the same time, again
     (``tmp_path/b``); SIGKILL the second's process group once checkpoint
     ``step_<checkpointed>`` exists and step ``logged`` is in ``metrics.jsonl``, then rerun it
     there to the end (it resumes). The two first runs are separate processes with the same
@@ -161,9 +168,9 @@ def kill9_and_resume(tmp_path, *args: str, checkpointed: int, logged: int, examp
     from tests.helpers.jobs import kill_group
 
     tmp_path.mkdir(parents=True, exist_ok=True)
-    ref = train_cli(tmp_path / "a", *args, log=tmp_path / "a.log", example=example)
-    victim = train_cli(tmp_path / "b", *args, log=tmp_path / "b.log", example=example)
-    ref_dir, run_dir = (tiny_config(tmp_path / d, *args, example=example).run_dir for d in ("a", "b"))
+    ref = train_cli(tmp_path / "a", *args, log=tmp_path / "a.log", example=example, command=command)
+    victim = train_cli(tmp_path / "b", *args, log=tmp_path / "b.log", example=example, command=command)
+    ref_dir, run_dir = (tiny_config(tmp_path / d, *args, example=example, command=command).run_dir for d in ("a", "b"))
     try:
         deadline = time.time() + 600
         while time.time() < deadline:
@@ -182,7 +189,7 @@ def kill9_and_resume(tmp_path, *args: str, checkpointed: int, logged: int, examp
         if ref.poll() is None:
             kill_group(ref)
 
-    resumed = train_cli(tmp_path / "b", *args, example=example)
+    resumed = train_cli(tmp_path / "b", *args, example=example, command=command)
     out, _ = resumed.communicate(timeout=600)
     assert resumed.returncode == 0, out
     return KilledAndResumed(

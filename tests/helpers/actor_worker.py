@@ -73,6 +73,23 @@ def hf_reference(hf_dir: str | None, batch, *, model=None) -> tuple:
     return logp, entropy
 
 
+def hf_nll(hf_dir: str, weights: dict, batch) -> float:
+    """The float64 reference of the SFT loss: transformers' cross-entropy (temperature 1) of
+    ``batch``'s ``loss_mask`` tokens under the HF state dict ``weights``, mean per token."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float64, attn_implementation="eager")
+    model.load_state_dict({k: v.double() for k, v in weights.items()}, strict=True)
+    with torch.no_grad():
+        logits = model(batch.input_ids, attention_mask=batch.attention_mask).logits
+    targets = batch.input_ids[:, 1:]
+    nll = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                                            reduction="none").reshape(targets.shape)  # fmt: skip
+    mask = batch.loss_mask[:, 1:].bool()
+    return float(nll[mask].sum() / mask.sum())
+
+
 def hf_weights(actor) -> dict:
     return dict(actor.iter_hf_weights(bucket_bytes=64 * 1024))
 
@@ -162,7 +179,8 @@ def run(spec: dict, out_dir: Path) -> dict:
 
     real = base.attention_mask.bool().clone()  # tokens with a prediction (not column 0, not padding)
     real[:, 0] = False
-    weights_step1, weights_step2, logps = {}, {}, {}
+    sft_batch = ActorBatch(input_ids=base.input_ids, attention_mask=base.attention_mask, loss_mask=base.loss_mask)
+    weights_step1, weights_step2, weights_step3, logps = {}, {}, {}, {}
     for tp, pp in LAYOUTS:
         key = f"tp{tp}_pp{pp}"
         start = time.perf_counter()
@@ -200,6 +218,10 @@ def run(spec: dict, out_dir: Path) -> dict:
         entry["step2"] = m2
         weights_step2[key] = hf_weights(actor)
         entry["adam_step"] = adam_step(actor.optimizer)
+        # Step 3: SFT (algo.sft) on the response tokens, at temperature 1 whatever the rollout's.
+        entry["sft_nll_float64"] = hf_nll(spec["variants"]["qwen2_gqa"]["hf_dir"], weights_step2[key], base)
+        entry["step3"] = actor.sft_step(sft_batch)
+        weights_step3[key] = hf_weights(actor)
         if key == "tp1_pp2":
             # A NaN advantage on a trained token: the step must be skipped, nothing changes.
             bad = rl_batch(logps["tp1_pp1"])
@@ -221,6 +243,7 @@ def run(spec: dict, out_dir: Path) -> dict:
     for key in weights_step1:
         report["layouts"][key]["weights_step1_vs_tp1_pp1"] = max_diff(weights_step1[key], weights_step1[reference])
         report["layouts"][key]["weights_step2_vs_tp1_pp1"] = max_diff(weights_step2[key], weights_step2[reference])
+        report["layouts"][key]["weights_step3_vs_tp1_pp1"] = max_diff(weights_step3[key], weights_step3[reference])
         report["layouts"][key]["logp_vs_tp1_pp1"] = float((logps[key] - logps[reference]).abs().max())
     report["weights_step1_change"] = max_diff(weights_step1[reference], hf_source["qwen2_gqa"])
 
@@ -276,12 +299,18 @@ def run(spec: dict, out_dir: Path) -> dict:
         actor = build("qwen2_gqa", 2, 2, max_tokens=budget)
         actor.load_checkpoint(spec["variants"]["qwen2_gqa"]["mcore_dir"])
         m = actor.train_step(rl_batch(logps["tp1_pp1"]), algorithm=first)
-        mb[budget] = (m, hf_weights(actor))
+        weights = hf_weights(actor)
+        m_sft = actor.sft_step(sft_batch)
+        mb[budget] = (m, weights, m_sft, hf_weights(actor))
     report["microbatches"] = {
         "counts": [mb[b][0]["actor/num_microbatches"] for b in (1000, 48)],
         "loss": [mb[b][0]["loss/total"] for b in (1000, 48)],
         "grad_norm": [mb[b][0]["actor/grad_norm"] for b in (1000, 48)],
         "weights_max_diff": max_diff(mb[1000][1], mb[48][1]),
+        "sft_counts": [mb[b][2]["actor/num_microbatches"] for b in (1000, 48)],
+        "sft_loss": [mb[b][2]["loss/total"] for b in (1000, 48)],
+        "sft_grad_norm": [mb[b][2]["actor/grad_norm"] for b in (1000, 48)],
+        "sft_weights_max_diff": max_diff(mb[1000][3], mb[48][3]),
     }
 
     # --- tied embeddings (Qwen2 small models): PP=2 must all-reduce the embedding gradient.
