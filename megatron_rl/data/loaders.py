@@ -164,21 +164,30 @@ def load_rows(
     ground_truth_key: str = "ground_truth",
 ) -> list[PromptRow]:
     """All rows of the files, in order, checked (see the module doc for what a bad row is)."""
+
+    def row(path: str | os.PathLike, row_no: int, record: dict[str, Any]) -> PromptRow:
+        prompt = _text(record, prompt_key, "prompt", path, row_no)
+        truth = _lookup(record, ground_truth_key)
+        if truth is _MISSING or truth is None:
+            state = "missing" if truth is _MISSING else "null"
+            raise DataError(f"ground truth is {state}", file=path, row=row_no, field=ground_truth_key)
+        if _non_finite(truth):  # JSON's NaN/Infinity literals: no reward can compare against them
+            raise DataError("ground truth holds NaN or an infinity", file=path, row=row_no, field=ground_truth_key)
+        metadata = {k: v for k, v in record.items() if k not in (prompt_key, ground_truth_key)}
+        return PromptRow(prompt=prompt, ground_truth=truth, file=str(path), row=row_no, metadata=metadata)
+
+    return _read_rows(paths, row)
+
+
+def _read_rows(paths: str | os.PathLike | Sequence[str | os.PathLike], make_row) -> list:
+    """``make_row(path, row number, record)`` of every record of the files, in order; a file
+    without any row is an error."""
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
     rows = []
     for path in paths:
         before = len(rows)
-        for row_no, record in iter_records(path):
-            prompt = _text(record, prompt_key, "prompt", path, row_no)
-            truth = _lookup(record, ground_truth_key)
-            if truth is _MISSING or truth is None:
-                state = "missing" if truth is _MISSING else "null"
-                raise DataError(f"ground truth is {state}", file=path, row=row_no, field=ground_truth_key)
-            if _non_finite(truth):  # JSON's NaN/Infinity literals: no reward can compare against them
-                raise DataError("ground truth holds NaN or an infinity", file=path, row=row_no, field=ground_truth_key)
-            metadata = {k: v for k, v in record.items() if k not in (prompt_key, ground_truth_key)}
-            rows.append(PromptRow(prompt=prompt, ground_truth=truth, file=str(path), row=row_no, metadata=metadata))
+        rows += [make_row(path, row_no, record) for row_no, record in iter_records(path)]
         if len(rows) == before:
             raise DataError("the file holds no rows", file=path)
     return rows
@@ -220,18 +229,13 @@ def load_sft_rows(
 ) -> list[SFTRow]:
     """All prompt/response rows of the files, in order, checked as :func:`load_rows` checks
     a prompt (both fields non-empty strings without NUL)."""
-    if isinstance(paths, (str, os.PathLike)):
-        paths = [paths]
-    rows = []
-    for path in paths:
-        before = len(rows)
-        for row_no, record in iter_records(path):
-            prompt = _text(record, prompt_key, "prompt", path, row_no)
-            response = _text(record, response_key, "response", path, row_no)
-            rows.append(SFTRow(prompt=prompt, response=response, file=str(path), row=row_no))
-        if len(rows) == before:
-            raise DataError("the file holds no rows", file=path)
-    return rows
+
+    def row(path: str | os.PathLike, row_no: int, record: dict[str, Any]) -> SFTRow:
+        prompt = _text(record, prompt_key, "prompt", path, row_no)
+        response = _text(record, response_key, "response", path, row_no)
+        return SFTRow(prompt=prompt, response=response, file=str(path), row=row_no)
+
+    return _read_rows(paths, row)
 
 
 def duplicate_ids(

@@ -16,7 +16,6 @@ signal ends it after the step in progress, checkpointing it (``loop.stop``).
 from __future__ import annotations
 
 import time
-from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,8 +41,8 @@ from megatron_rl.loop.preflight import (
     resume_checkpoint,
 )
 from megatron_rl.loop.run_lock import lock_run_dir
-from megatron_rl.loop.stop import RunStopped, StopSignals
-from megatron_rl.observability import MetricsSink, ProgressLine
+from megatron_rl.loop.steps import StepLoop
+from megatron_rl.observability import MetricsSink
 from megatron_rl.storage.checkpoints import ResumeChoice, prune_checkpoints
 
 __all__ = ["SFTPreflight", "SFTTrainer", "sft_actor_spec", "sft_batch", "sft_preflight"]
@@ -126,7 +125,7 @@ def sft_preflight(config: SFTRunConfig) -> SFTPreflight:
     return SFTPreflight(hf_config=hf_config, tokenizer=tokenizer, train=train, eval=eval_, resume=resume)
 
 
-class SFTTrainer:
+class SFTTrainer(StepLoop):
     """Runs ``trainer.num_steps`` SFT steps, resuming from the run's latest checkpoint.
     ``close()`` stops the actor ranks and releases the run directory."""
 
@@ -138,8 +137,6 @@ class SFTTrainer:
         pad = checked.tokenizer.pad_token_id
         self.source = SFTSource(checked.train, checked.eval, seed=config.trainer.seed, shuffle=config.data.shuffle,
                                 pad_id=int(pad if pad is not None else checked.tokenizer.eos_token_id))  # fmt: skip
-        self.step = 0
-        self.stop: StopSignals | None = None  # set by a caller that stops the run on signals
         self.placement = None
         self.actors: ActorGroup | None = None
         self.sink: MetricsSink | None = None
@@ -167,35 +164,7 @@ class SFTTrainer:
                                        torch_threads=threads)  # fmt: skip
         return self.placement.actor
 
-    @property
-    def stopping(self) -> bool:  # a stop signal came: no step starts, the finished one is saved
-        return self.stop is not None and self.stop.requested is not None
-
-    def run(self) -> dict[str, float]:
-        """Train to ``trainer.num_steps``; returns the last logged step's metrics."""
-        cfg = self.config
-        self.step = self.resume()
-        last: dict[str, float] = {}
-        saved_step = None
-        with ExitStack() as stack:
-            progress = ProgressLine(cfg.trainer.num_steps, start_step=self.step)
-            stack.callback(progress.close)
-            while self.step < cfg.trainer.num_steps and not self.stopping:
-                self.step += 1
-                last = self.train_one_step()
-                if cfg.trainer.eval_every_steps and self.step % cfg.trainer.eval_every_steps == 0:
-                    last.update(self.evaluate())
-                if self.step % cfg.logging.log_every_steps == 0 or self.step == cfg.trainer.num_steps or self.stopping:
-                    self.sink.log(self.step, last)
-                    progress.update(self.step, last)
-                # After a skipped (non-finite) step the previous checkpoint stays the latest.
-                if self.save_due(self.step) and self.actors.consecutive_nonfinite == 0:
-                    saved_step = self.save_checkpoint() and self.step
-        if self.stopping:
-            raise RunStopped(self.stop.requested, self.step, saved_step == self.step)
-        return last
-
-    def train_one_step(self) -> dict[str, float]:
+    def train_one_step(self, step: int) -> dict[str, float]:
         start = time.perf_counter()
         batch = sft_batch(self.source.next_examples(self.config.data.rows_per_step), self.source.pad_id)
         metrics = self.actors.sft_step(batch)
@@ -206,7 +175,7 @@ class SFTTrainer:
         metrics["throughput/tokens_per_s"] = float(batch.attention_mask.sum()) / max(seconds, 1e-9)
         return metrics
 
-    def evaluate(self) -> dict[str, float]:
+    def evaluate(self, step: int) -> dict[str, float]:
         """``eval/nll``: the mean negative log-likelihood per response token of the eval rows
         (the trained weights, temperature 1), in batches of ``data.rows_per_step`` rows."""
         examples, size = self.source.eval_examples(), self.config.data.rows_per_step
@@ -217,11 +186,6 @@ class SFTTrainer:
             total -= float((logp * batch.loss_mask).sum())
             count += float(batch.loss_mask.sum())
         return {"eval/nll": total / count, "eval/response_tokens": count} if count else {}
-
-    def save_due(self, step: int) -> bool:
-        every, num_steps = self.config.trainer.save_every_steps, self.config.trainer.num_steps
-        return bool((every and step % every == 0) or (step == num_steps and self.config.trainer.save_final)
-                    or self.stopping)  # fmt: skip
 
     def save_checkpoint(self) -> Path:
         """Actor and data cursor in one atomic write (``actor.checkpoint``; refused if the

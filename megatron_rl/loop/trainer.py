@@ -11,7 +11,8 @@ pipelined loop in ``pipeline.py``, which reuses this one's pieces; :func:`make_t
 there picks the loop for a config.
 
 The components are built by ``builder.py`` and do the work; this file only drives them
-and keeps what makes a run resumable: the step and the data cursor, saved with the
+(the step/eval/log/checkpoint schedule is ``steps.py``'s, shared with SFT) and keeps what
+makes a run resumable: the step and the data cursor, saved with the
 actor's checkpoint in one atomic write. A run stops on non-finite steps or weights, or a
 reward failing on every response (the components raise); the step that stops it is logged.
 A stop signal (``stop.py``) ends the run after the step in progress, checkpointing it.
@@ -20,7 +21,6 @@ A stop signal (``stop.py``) ends the run after the step in progress, checkpointi
 from __future__ import annotations
 
 import time
-from contextlib import ExitStack
 from pathlib import Path
 
 from megatron_rl.actor.group import NonFiniteStepsError
@@ -32,15 +32,14 @@ from megatron_rl.loop.evaluate import evaluate
 from megatron_rl.loop.experience import collect
 from megatron_rl.loop.preflight import Preflight
 from megatron_rl.loop.step import finish_update, step_metrics, submit_update
-from megatron_rl.loop.stop import RunStopped, StopSignals
-from megatron_rl.observability import ProgressLine
+from megatron_rl.loop.steps import StepLoop
 from megatron_rl.rewards import AllRewardsFailedError, RewardErrorStreak
 from megatron_rl.storage.checkpoints import prune_checkpoints
 
 __all__ = ["AllRewardsFailedError", "NonFiniteStepsError", "Trainer"]
 
 
-class Trainer:
+class Trainer(StepLoop):
     """Runs ``trainer.num_steps`` RL steps, resuming from the run's latest checkpoint."""
 
     generates_ahead = False
@@ -54,39 +53,14 @@ class Trainer:
         self.parts = build_run(config, checked=checked)  # ``checked``: the pre-flight, if run already
         self.reward_errors = RewardErrorStreak(config.trainer.max_consecutive_reward_error_steps)
         self.time_shared = config.rollout.placement == "colocated"
-        self.step = 0
-        self.stop: StopSignals | None = None  # set by a caller that stops the run on signals
 
     @property
-    def stopping(self) -> bool:  # a stop signal came: no step starts, the finished one is saved
-        return self.stop is not None and self.stop.requested is not None
+    def sink(self):
+        return self.parts.sink
 
-    def run(self) -> dict[str, float]:
-        """Train to ``trainer.num_steps``; returns the last logged step's metrics."""
-        cfg, r = self.config, self.parts
-        self.step = self.resume()
-        last: dict[str, float] = {}
-        saved_step = None
-        with ExitStack() as stack:
-            progress = ProgressLine(cfg.trainer.num_steps, start_step=self.step)
-            stack.callback(progress.close)
-            self.start_generating(stack)
-            # An update already submitted (early, by the pipelined loop) is finished first.
-            while self.step < cfg.trainer.num_steps and not (self.stopping and not self.update_in_flight()):
-                self.step += 1
-                last = self.train_one_step(self.step)
-                if cfg.trainer.eval_every_steps and self.step % cfg.trainer.eval_every_steps == 0:
-                    last.update(self.evaluate(self.step))
-                if self.step % cfg.logging.log_every_steps == 0 or self.step == cfg.trainer.num_steps or self.stopping:
-                    r.sink.log(self.step, last)
-                    progress.update(self.step, last)
-                # After a skipped (non-finite) step the previous checkpoint stays the latest:
-                # a run that is diverging must not push its last good state aside.
-                if self.save_due(self.step) and r.actors.consecutive_nonfinite == 0:
-                    saved_step = self.save_checkpoint() and self.step
-        if self.stopping:
-            raise RunStopped(self.stop.requested, self.step, saved_step == self.step)
-        return last
+    @property
+    def actors(self):
+        return self.parts.actors
 
     def train_one_step(self, step: int) -> dict[str, float]:
         r, start = self.parts, time.perf_counter()
@@ -109,20 +83,9 @@ class Trainer:
                 r.pool.wake()
         return step_metrics(metrics, timings, batch.experience, start)
 
-    def start_generating(self, stack: ExitStack) -> None:
-        """Nothing here: this loop generates each batch in its step."""
-
-    def update_in_flight(self) -> bool:  # the next step's update is with the actor already: never here
-        return False
-
     def data_cursor(self) -> dict:
         """The data cursor a checkpoint stores: nothing is drawn ahead here."""
         return self.parts.prompts.state_dict()
-
-    def save_due(self, step: int) -> bool:
-        every, num_steps = self.config.trainer.save_every_steps, self.config.trainer.num_steps
-        return bool((every and step % every == 0) or (step == num_steps and self.config.trainer.save_final)
-                    or self.stopping)  # fmt: skip
 
     def evaluate(self, step: int) -> dict[str, float]:
         r, cfg = self.parts, self.config
