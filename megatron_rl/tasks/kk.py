@@ -262,6 +262,30 @@ def render_question(names: Sequence[str], statements: Sequence[Statement]) -> st
     )
 
 
+def reasoning_trace(puzzle: Puzzle) -> str:
+    """A worked solution by cases, one line per assignment in the solver's order: who would
+    lie or tell the truth against their role, or that every statement fits (the solution's
+    line). What a model learns to write in ``<think>`` from SFT rows (``--sft-responses``)."""
+    lines = []
+    for assignment in itertools.product((True, False), repeat=puzzle.num_people):
+        roles = ", ".join(f"{name} is a {ROLES[0] if knight else ROLES[1]}" for name, knight in zip(puzzle.names, assignment))
+        broken = [p for p, s in enumerate(puzzle.statements) if evaluate(s, assignment) != assignment[p]]
+        if not broken:
+            verdict = "every statement fits"
+        else:
+            p = broken[0]
+            verdict = f"{puzzle.names[p]} would {'lie' if assignment[p] else 'tell the truth'}, impossible"
+        lines.append(f"If {roles}: {verdict}.")
+    return "\n".join(lines)
+
+
+def sft_response(puzzle: Puzzle) -> str:
+    """A supervised response to the K&K prompt, which pre-fills ``<think>``: the trace of
+    :func:`reasoning_trace`, ``</think>``, then the answer in the format the ``kk_logic``
+    reward parses (it scores the full 3.0)."""
+    return f"\n{reasoning_trace(puzzle)}\n</think>\n<answer>\n{puzzle.solution_text()}\n</answer>"
+
+
 # --------------------------------------------------------------------------- datasets
 
 
@@ -289,8 +313,9 @@ def unique_puzzles(num_people: int, *, seed: int) -> Iterator[Puzzle]:
         yield puzzle
 
 
-def puzzle_row(puzzle: Puzzle, *, split: str, index: int) -> dict[str, Any]:
-    """The jsonl/parquet row of a puzzle (fields in the module doc)."""
+def puzzle_row(puzzle: Puzzle, *, split: str, index: int, sft_response_field: bool = False) -> dict[str, Any]:
+    """The jsonl/parquet row of a puzzle (fields in the module doc; with
+    ``sft_response_field`` also ``response``: :func:`sft_response`)."""
     return {
         "id": f"kk_{puzzle.num_people}ppl_{split}_{index:05d}",
         "prompt": puzzle.question(),
@@ -298,13 +323,14 @@ def puzzle_row(puzzle: Puzzle, *, split: str, index: int) -> dict[str, Any]:
         "num_people": puzzle.num_people,
         "split": split,
         "statements": json.dumps(puzzle.statements, separators=(",", ":")),
-    }
+    } | ({"response": sft_response(puzzle)} if sft_response_field else {})
 
 
 def generate_splits(
-    num_people: Sequence[int], *, train_per_n: int, test_per_n: int, seed: int
+    num_people: Sequence[int], *, train_per_n: int, test_per_n: int, seed: int, sft_responses: bool = False
 ) -> dict[str, list[dict[str, Any]]]:
-    """``{"train": rows, "test": rows}`` over all requested N (rows ordered by N, then index)."""
+    """``{"train": rows, "test": rows}`` over all requested N (rows ordered by N, then index;
+    ``sft_responses``: each with a ``response`` field, the same puzzles otherwise)."""
     if train_per_n < 0 or test_per_n < 0:
         raise ValueError(f"train_per_n and test_per_n must be >= 0, got {train_per_n} and {test_per_n}")
     if len(set(num_people)) != len(num_people):
@@ -313,7 +339,8 @@ def generate_splits(
     for n in num_people:
         stream = unique_puzzles(n, seed=seed)
         for split, count in (("test", test_per_n), ("train", train_per_n)):
-            splits[split] += [puzzle_row(next(stream), split=split, index=i) for i in range(count)]
+            splits[split] += [puzzle_row(next(stream), split=split, index=i, sft_response_field=sft_responses)
+                              for i in range(count)]  # fmt: skip
     return splits
 
 
@@ -492,6 +519,8 @@ def _add_generator_arguments(parser: argparse.ArgumentParser) -> None:
                         help="puzzle sizes to generate (default: 3 4 5 6 7)")  # fmt: skip
     parser.add_argument("--train-per-n", type=int, default=900, help="training puzzles per size (default: 900)")
     parser.add_argument("--test-per-n", type=int, default=100, help="test puzzles per size (default: 100)")
+    parser.add_argument("--sft-responses", action="store_true",
+                        help="also write each row's worked solution as a 'response' field (megatron-rl sft data)")  # fmt: skip
 
 
 def _check_generator_arguments(args: argparse.Namespace) -> str | None:
@@ -504,7 +533,8 @@ def _check_generator_arguments(args: argparse.Namespace) -> str | None:
 
 
 def _generate(args: argparse.Namespace) -> Splits:
-    return generate_splits(args.num_people, train_per_n=args.train_per_n, test_per_n=args.test_per_n, seed=args.seed)
+    return generate_splits(args.num_people, train_per_n=args.train_per_n, test_per_n=args.test_per_n, seed=args.seed,
+                           sft_responses=args.sft_responses)  # fmt: skip
 
 
 def _per_size(splits: Splits, args: argparse.Namespace) -> dict[str, Splits]:

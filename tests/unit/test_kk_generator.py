@@ -125,3 +125,20 @@ def test_limits():
         kk.random_puzzle(random.Random(0), 1)
     with pytest.raises(RuntimeError, match="distinct 2-people puzzles"):
         kk.generate_splits([2], train_per_n=1000, test_per_n=0, seed=0)
+
+
+@pytest.mark.parametrize("num_people", [2, 3, 5])
+def test_sft_responses_are_worked_solutions_the_reward_scores_full(num_people):
+    plain = kk.generate_splits([num_people], train_per_n=6, test_per_n=2, seed=3)
+    sft = kk.generate_splits([num_people], train_per_n=6, test_per_n=2, seed=3, sft_responses=True)
+    for split in ("train", "test"):
+        assert [r["prompt"] for r in sft[split]] == [r["prompt"] for r in plain[split]]  # the same puzzles
+        assert all("response" not in r for r in plain[split])
+        for row in sft[split]:
+            prompt = render_prompt(row["prompt"], template="literal", style=KK_STYLE)
+            assert kk_logic(row["response"], row["ground_truth"], prompt=prompt).score == kk.MAX_SCORE
+            trace = row["response"].split("</think>")[0].strip().splitlines()
+            assert len(trace) == 2**num_people  # one case per assignment
+            fits = [line for line in trace if line.endswith("every statement fits.")]
+            solution = ", ".join(f"{s['name']} is a {s['role']}" for s in row["ground_truth"]["solution"])
+            assert fits == [f"If {solution}: every statement fits."]
