@@ -87,12 +87,14 @@ import random
 import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from megatron_rl.data.loaders import PromptRow
 from megatron_rl.data.prompts import PromptStyle
 from megatron_rl.rewards.registry import RewardResult, get_reward, register_reward
 from megatron_rl.tasks.base import DataGenerator, Splits, Task, check_counts, register_task
+from megatron_rl.tasks.bpe_tokenizer import write_bpe_tokenizer
 
 NAMES: tuple[str, ...] = (
     "Zoey", "Oliver", "Ethan", "Mia", "Liam", "Ava", "Noah", "Emma", "Lucas", "Sofia",
@@ -521,6 +523,10 @@ def _add_generator_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--test-per-n", type=int, default=100, help="test puzzles per size (default: 100)")
     parser.add_argument("--sft-responses", action="store_true",
                         help="also write each row's worked solution as a 'response' field (megatron-rl sft data)")  # fmt: skip
+    parser.add_argument("--tokenizer", action="store_true",
+                        help="also train a byte-level BPE tokenizer on the train rows into OUT/tokenizer "
+                             "(for models trained from scratch on CPU)")  # fmt: skip
+    parser.add_argument("--tokenizer-vocab-size", type=int, default=1024, help="its vocabulary (default: 1024)")
 
 
 def _check_generator_arguments(args: argparse.Namespace) -> str | None:
@@ -529,12 +535,26 @@ def _check_generator_arguments(args: argparse.Namespace) -> str | None:
         return f"--num-people {bad}: sizes must be in [{MIN_PEOPLE}, {MAX_PEOPLE}]"
     if len(set(args.num_people)) != len(args.num_people):
         return f"--num-people {args.num_people} has duplicates"
+    if not 300 <= args.tokenizer_vocab_size <= 1 << 17:
+        return f"--tokenizer-vocab-size {args.tokenizer_vocab_size}: must be in [300, 131072] (256 bytes + specials + merges)"
     return check_counts(args, "--train-per-n", "--test-per-n")
 
 
 def _generate(args: argparse.Namespace) -> Splits:
     return generate_splits(args.num_people, train_per_n=args.train_per_n, test_per_n=args.test_per_n, seed=args.seed,
                            sft_responses=args.sft_responses)  # fmt: skip
+
+
+KK_TOKENIZER_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", *_TAGS)
+"""The special tokens of ``--tokenizer`` (ids 0-6): the end of sequence (also padding),
+ChatML's markers and the four K&K tags. Its default vocabulary, 1024 (bytes + specials +
+merges), makes names and the puzzle's words mostly one token each."""
+
+
+def _write_tokenizer(out: Path, args: argparse.Namespace) -> None:
+    if args.tokenizer:
+        write_bpe_tokenizer(out / "tokenizer", out / "train.jsonl", style=KK_STYLE, special_tokens=KK_TOKENIZER_SPECIALS,
+                            vocab_size=args.tokenizer_vocab_size)  # fmt: skip
 
 
 def _per_size(splits: Splits, args: argparse.Namespace) -> dict[str, Splits]:
@@ -558,6 +578,7 @@ TASK = register_task(
             check=_check_generator_arguments,
             generate=_generate,
             subsets=_per_size,
+            write_extras=_write_tokenizer,
         ),
     )
 )

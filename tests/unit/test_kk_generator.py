@@ -142,3 +142,28 @@ def test_sft_responses_are_worked_solutions_the_reward_scores_full(num_people):
             fits = [line for line in trace if line.endswith("every statement fits.")]
             solution = ", ".join(f"{s['name']} is a {s['role']}" for s in row["ground_truth"]["solution"])
             assert fits == [f"If {solution}: every statement fits."]
+
+
+def test_the_cpu_tokenizer_round_trips_rows_exactly_and_is_deterministic(tmp_path):
+    from transformers import AutoTokenizer
+
+    from megatron_rl.cli import main
+    from megatron_rl.tasks.kk import KK_TOKENIZER_SPECIALS as SPECIAL_TOKENS
+
+    args = ["generate-data", "kk", "--num-people", "2", "3", "--train-per-n", "20", "--test-per-n", "4",
+            "--sft-responses", "--tokenizer", "--parquet", "no"]  # fmt: skip
+    assert main([*args, "--out", str(tmp_path / "a")]) == 0 and main([*args, "--out", str(tmp_path / "b")]) == 0
+    assert (tmp_path / "a" / "tokenizer" / "tokenizer.json").read_bytes() == (
+        tmp_path / "b" / "tokenizer" / "tokenizer.json"
+    ).read_bytes()
+    tok = AutoTokenizer.from_pretrained(str(tmp_path / "a" / "tokenizer"))
+    assert tok.eos_token_id == tok.pad_token_id == 0
+    assert [tok.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS] == list(range(len(SPECIAL_TOKENS)))
+    for line in (tmp_path / "a" / "test.jsonl").read_text().splitlines():  # rows it was not trained on
+        row = json.loads(line)
+        prompt = render_prompt(row["prompt"], template="literal", style=KK_STYLE)
+        for text in (prompt, row["response"]):
+            ids = tok.encode(text, add_special_tokens=False)
+            assert tok.decode(ids) == text
+        assert tok.encode("<think>", add_special_tokens=False) == [tok.convert_tokens_to_ids("<think>")]
+    assert main([*args, "--out", str(tmp_path / "c"), "--tokenizer-vocab-size", "100"]) == 2
