@@ -148,8 +148,8 @@ class MegatronActor(PolicyModel):
         ``phase`` is the update phase (``algo.update_phases``; ``None`` without phases);
         ``algorithm`` overrides the spec's loss for this step (tests compare methods on one
         model; ``algo.sft.SFT_OBJECTIVE`` trains on the response tokens' likelihood at
-        temperature 1, reading only ``loss_mask``: :meth:`sft_step`). With ``token_grad_norms``, :attr:`last_token_grad_norms` afterwards holds
-        ``[N, L]`` (input-aligned, every rank) the norm of each token's loss-SUM gradient
+        temperature 1, reading only ``loss_mask``: :meth:`sft_step`). With
+        ``token_grad_norms``, :attr:`last_token_grad_norms` afterwards holds ``[N, L]`` (input-aligned, every rank) the norm of each token's loss-SUM gradient
         w.r.t. its logits row, for the token-probability diagnostics.
 
         ``on_policy``: the weights are still the old policy's (no optimizer step since the

@@ -34,6 +34,7 @@ Either may be padded further at the end, to a sequence multiple the kernels need
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
 
 import torch
@@ -48,6 +49,7 @@ __all__ = [
     "padding_fraction",
     "plan_microbatches",
     "plan_packs",
+    "prompt_response_batch",
     "resolve_packing",
 ]
 
@@ -154,6 +156,23 @@ class ActorBatch:
         for name in names + (("ref_logp",) if need_ref else ()):
             if getattr(self, name) is None:
                 raise ValueError(f"train_step needs batch.{name}")
+
+
+def prompt_response_batch(rows: Sequence[tuple[Sequence[int], Sequence[int]]], *, pad_id: int) -> ActorBatch:
+    """``[N, L]`` right-padded rows of ``(prompt ids, response ids)`` (``L`` = the longest
+    row), ``loss_mask`` 1 on the response tokens; ``pad_id`` fills the padding (never
+    trained on; any id in the vocabulary)."""
+    width = max(len(prompt) + len(response) for prompt, response in rows)
+    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    attention = torch.zeros(len(rows), width, dtype=torch.long)
+    loss_mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for i, (prompt, response) in enumerate(rows):
+        p, end = len(prompt), len(prompt) + len(response)
+        input_ids[i, :p] = torch.as_tensor(prompt, dtype=torch.long)
+        input_ids[i, p:end] = torch.as_tensor(response, dtype=torch.long)
+        attention[i, :end] = 1
+        loss_mask[i, p:end] = 1
+    return ActorBatch(input_ids=input_ids, attention_mask=attention, loss_mask=loss_mask)
 
 
 def _index(t: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor | None:

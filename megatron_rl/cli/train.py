@@ -128,7 +128,7 @@ def _rl_load(path: str, overrides: list[str]):
     return load_run_config(path, overrides)
 
 
-RL = RunKind(load=_rl_load, preflight=_rl_preflight, make_trainer=_rl_trainer, summary=lambda c: _placement_summary(c))
+RL = RunKind(load=_rl_load, preflight=_rl_preflight, make_trainer=_rl_trainer, summary=_placement_summary)
 """``megatron-rl train``."""
 
 

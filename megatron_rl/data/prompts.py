@@ -84,6 +84,15 @@ def render_prompt(
     raise ValueError(f"unknown prompt template {template!r}; expected 'chat', 'literal' or 'none'")
 
 
+def tokenize(tokenizer: Any, texts: list[str]) -> list[list[int]]:
+    """Token ids of each text, no special tokens added (templates hold theirs). One batched
+    call where the tokenizer has it (the Rust tokenizers parallelise it); the same ids as
+    ``encode`` gives one text at a time."""
+    if callable(tokenizer) and hasattr(tokenizer, "batch_encode_plus"):
+        return [list(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
+    return [tokenizer.encode(t, add_special_tokens=False) for t in texts]
+
+
 class PromptEncoder:
     """Rendered prompt texts and token ids for data rows.
 
@@ -131,7 +140,7 @@ class PromptEncoder:
             chunk = rows[lo : lo + batch_size]
             texts = [render_prompt(r.prompt, template=self.template, style=self.style, tokenizer=self.tokenizer)
                      for r in chunk]  # fmt: skip
-            for row, ids in zip(chunk, self._tokenize(texts)):
+            for row, ids in zip(chunk, tokenize(self.tokenizer, texts)):
                 if not ids or len(ids) > self.max_prompt_tokens:
                     bad.append((row, len(ids)))
         if not bad:
@@ -147,13 +156,6 @@ class PromptEncoder:
             f"the prompt has {length} tokens, more than rollout.max_prompt_tokens={self.max_prompt_tokens}" + more,
             file=row.file, row=row.row, field="prompt",
         )  # fmt: skip
-
-    def _tokenize(self, texts: list[str]) -> list[list[int]]:
-        # One batched call where the tokenizer has it (the Rust tokenizers parallelise
-        # it); the same ids as ``encode`` gives one text at a time.
-        if callable(self.tokenizer) and hasattr(self.tokenizer, "batch_encode_plus"):
-            return list(self.tokenizer(texts, add_special_tokens=False)["input_ids"])
-        return [self.tokenizer.encode(t, add_special_tokens=False) for t in texts]
 
     def decode(self, token_ids: Sequence[int]) -> str:
         """The text of generated ``token_ids``, special tokens (end of sequence, padding) left out."""

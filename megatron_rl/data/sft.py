@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from megatron_rl.data.loaders import DataError, SFTRow
-from megatron_rl.data.prompts import PromptStyle, PromptTemplate, render_prompt
+from megatron_rl.data.prompts import PromptStyle, PromptTemplate, render_prompt, tokenize
 from megatron_rl.data.sampler import PromptSampler
 
 __all__ = ["SFTExamples", "SFTSource", "encode_sft_rows"]
@@ -52,8 +52,8 @@ def encode_sft_rows(
     for lo in range(0, len(rows), batch_size):
         chunk = rows[lo : lo + batch_size]
         texts = [render_prompt(r.prompt, template=template, style=style, tokenizer=tokenizer) for r in chunk]
-        prompts += _tokenize(tokenizer, texts)
-        responses += [ids + [eos] for ids in _tokenize(tokenizer, [r.response for r in chunk])]
+        prompts += tokenize(tokenizer, texts)
+        responses += [ids + [eos] for ids in tokenize(tokenizer, [r.response for r in chunk])]
     for row, p, r in zip(rows, prompts, responses):
         if not p:
             raise DataError("the prompt is empty after tokenisation", file=row.file, row=row.row, field="prompt")
@@ -66,13 +66,6 @@ def encode_sft_rows(
                 file=row.file, row=row.row, field="response",
             )  # fmt: skip
     return SFTExamples(rows=list(rows), prompt_ids=prompts, response_ids=responses)
-
-
-def _tokenize(tokenizer: Any, texts: list[str]) -> list[list[int]]:
-    # Templates hold their special tokens already: none are added.
-    if callable(tokenizer) and hasattr(tokenizer, "batch_encode_plus"):
-        return [list(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
-    return [tokenizer.encode(t, add_special_tokens=False) for t in texts]
 
 
 class SFTSource:

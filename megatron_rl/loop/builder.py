@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -47,6 +48,8 @@ from megatron_rl.cluster.placement import (
     write_placement,
 )
 from megatron_rl.config.lib import ConfigError, save_resolved, to_dict
+from megatron_rl.config.parallel import ParallelConfig
+from megatron_rl.config.rollout import RolloutConfig
 from megatron_rl.config.run import RunConfig
 from megatron_rl.data.source import PromptSource
 from megatron_rl.loop.preflight import Preflight, preflight
@@ -61,7 +64,7 @@ from megatron_rl.rollout.pool.worker import engine_class
 from megatron_rl.tasks import Task
 from megatron_rl.weight_sync.sync import WeightSync, resolve_transport
 
-__all__ = ["RayClusterError", "Run", "actor_spec", "build_run", "start_ray"]
+__all__ = ["RayClusterError", "Run", "actor_spec", "build_run", "close_all", "placements", "start_ray"]
 
 
 class RayClusterError(RuntimeError):
@@ -104,17 +107,25 @@ class Run:
         """Stop the engines, actor ranks and reward workers; flush the metrics; release the run
         directory. Every part is closed even if one fails (a rank that died makes its group's
         clean-up raise); the first error is raised at the end."""
-        errors = []
-        for part in (self.sink.close, self.rewards.close, self.weight_sync.close, self.pool.shutdown,
-                     self.actors.shutdown, self.placement and self.placement.remove, self.lock and self.lock.release):
-            try:
-                if part:
-                    part()
-            except Exception as e:  # noqa: BLE001  (the others still close)
-                errors.append(e)
-        self.lock = None
-        if errors:
-            raise errors[0]
+        try:
+            close_all(self.sink.close, self.rewards.close, self.weight_sync.close, self.pool.shutdown,
+                      self.actors.shutdown, self.placement and self.placement.remove, self.lock and self.lock.release)
+        finally:
+            self.lock = None
+
+
+def close_all(*closers: Callable[[], Any] | None) -> None:
+    """Call every closer (``None`` ones skipped), each even if an earlier one raised (a rank
+    that died makes its group's clean-up raise); then raise the first error, if any."""
+    errors = []
+    for close in closers:
+        try:
+            if close:
+                close()
+        except Exception as e:  # noqa: BLE001  (the others still close)
+            errors.append(e)
+    if errors:
+        raise errors[0]
 
 
 def actor_spec(config: RunConfig) -> ActorSpec:
@@ -152,15 +163,15 @@ def _write_engine_config(run_dir: Path, hf_config: dict[str, Any], tokenizer, dt
     return directory
 
 
-def _placements(config: RunConfig) -> tuple[GroupPlacement, GroupPlacement, RunPlacement | None]:
+def placements(parallel: ParallelConfig, rollout: RolloutConfig) -> tuple[GroupPlacement, GroupPlacement, RunPlacement | None]:
     """Actor and engine placements: placement groups on a GPU cluster (a layout that does
     not fit raises ``PlacementError`` before any actor starts), plain options on CPU."""
     nodes = alive_nodes()
-    threads = cpu_threads(config.parallel, config.rollout, nodes)
+    threads = cpu_threads(parallel, rollout, nodes)
     if not any(n.num_gpus for n in nodes):
-        actors = actor_placement(config.parallel, torch_threads=threads)
-        return actors, engine_placement(config.rollout, config.parallel, torch_threads=threads), None
-    placed = place_on_gpus(plan_gpu_placement(config.parallel, config.rollout, nodes), torch_threads=threads)
+        actors = actor_placement(parallel, torch_threads=threads)
+        return actors, engine_placement(rollout, parallel, torch_threads=threads), None
+    placed = place_on_gpus(plan_gpu_placement(parallel, rollout, nodes), torch_threads=threads)
     return placed.actor, placed.engines, placed
 
 
@@ -240,7 +251,7 @@ def _build_components(
 ) -> Run:
     """Steps 2-4 of the module docstring: placement, actor ranks, engines, weight sync, sink."""
     resume_from, task, tokenizer, hf_config = checked.resume.path, checked.task, checked.tokenizer, checked.hf_config
-    actor_group, engine_group, gpu_placement = _placements(config)
+    actor_group, engine_group, gpu_placement = placements(config.parallel, config.rollout)
     if gpu_placement is not None and config.rollout.engine_process == "driver":
         raise ConfigError("rollout.engine_process", "driver: the cluster has GPUs, and an engine in the driver's "
                           "process runs on CPU only (use ray_actor)")  # fmt: skip

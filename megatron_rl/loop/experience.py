@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from megatron_rl.actor.batch import NO_ROUTE, ActorBatch
+from megatron_rl.actor.batch import NO_ROUTE, ActorBatch, prompt_response_batch
 from megatron_rl.algo import broadcast_to_tokens
 from megatron_rl.config.seeding import rollout_seed
 from megatron_rl.rollout.generation import Completion, SamplingParams
@@ -61,24 +61,14 @@ def build_experience(
         pad_id: id written into padding (never trained on; any id in the vocabulary).
     """
     rows = [(g, c) for g, group in enumerate(completions) for c in group]
-    lengths = [len(prompt_ids[g]) + len(c.token_ids) for g, c in rows]
-    n, width = len(rows), max(lengths)
-    input_ids = torch.full((n, width), pad_id, dtype=torch.long)
-    attention = torch.zeros(n, width, dtype=torch.long)
-    loss_mask = torch.zeros(n, width, dtype=torch.long)
-    engine_logp = torch.zeros(n, width, dtype=torch.float32)
-    routes = _routed_experts(prompt_ids, rows, width)
+    batch = prompt_response_batch([(prompt_ids[g], c.token_ids) for g, c in rows], pad_id=pad_id)
+    engine_logp = torch.zeros(batch.input_ids.shape, dtype=torch.float32)
     for i, (g, c) in enumerate(rows):
         p = len(prompt_ids[g])
-        end = p + len(c.token_ids)
-        input_ids[i, :p] = torch.as_tensor(prompt_ids[g], dtype=torch.long)
-        input_ids[i, p:end] = torch.as_tensor(c.token_ids, dtype=torch.long)
-        attention[i, :end] = 1
-        loss_mask[i, p:end] = 1
-        engine_logp[i, p:end] = torch.as_tensor(c.logprobs, dtype=torch.float32)
+        engine_logp[i, p : p + len(c.token_ids)] = torch.as_tensor(c.logprobs, dtype=torch.float32)
+    routes = _routed_experts(prompt_ids, rows, batch.input_ids.shape[1])
     return Experience(
-        batch=ActorBatch(input_ids=input_ids, attention_mask=attention, loss_mask=loss_mask, engine_logp=engine_logp,
-                         routed_experts=routes),  # fmt: skip
+        batch=replace(batch, engine_logp=engine_logp, routed_experts=routes),
         group_index=torch.tensor([g for g, _ in rows], dtype=torch.long),
         response_lengths=torch.tensor([len(c.token_ids) for _, c in rows], dtype=torch.long),
         weight_versions=[c.weight_version for _, c in rows],

@@ -95,12 +95,7 @@ def preflight(config: RunConfig, *, task_key: str = TASK_KEY) -> Preflight:
     check_initial_weights(config)
     _check_engine(config, hf_config)
     resume = resume_checkpoint(config)
-    tokenizer = load_tokenizer(config)
-    if len(tokenizer) > hf_config["vocab_size"]:
-        raise ConfigError(
-            "model.tokenizer",
-            f"the tokenizer has {len(tokenizer)} tokens but the model's vocab_size is {hf_config['vocab_size']}",
-        )
+    tokenizer = load_tokenizer(config, vocab_size=hf_config["vocab_size"])
     encoder = PromptEncoder(
         tokenizer, template=config.data.prompt_template, style=task.prompt_style,
         max_prompt_tokens=config.rollout.max_prompt_tokens,
@@ -477,7 +472,9 @@ def _optimizer_differences(config: RunConfig | SFTRunConfig, record: dict[str, A
 # --------------------------------------------------------------------------- tokenizer, rows, run directory
 
 
-def load_tokenizer(config: RunConfig | SFTRunConfig):
+def load_tokenizer(config: RunConfig | SFTRunConfig, *, vocab_size: int):
+    """The run's HF tokenizer (``model.tokenizer``, else next to the model); refused when it
+    has more tokens than the model's ``vocab_size``."""
     source = config.model.tokenizer or config.model.hf_config or config.model.checkpoint
     key = "model.tokenizer" if config.model.tokenizer or config.model.hf_config is None else "model.hf_config"
     if source is None:
@@ -490,9 +487,14 @@ def load_tokenizer(config: RunConfig | SFTRunConfig):
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(str(path))
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
     except Exception as e:  # transformers raises many types for a directory without a tokenizer
         raise ConfigError(key, f"cannot load a tokenizer from {path}: {type(e).__name__}: {e}") from None
+    if len(tokenizer) > vocab_size:
+        raise ConfigError(
+            "model.tokenizer", f"the tokenizer has {len(tokenizer)} tokens but the model's vocab_size is {vocab_size}"
+        )
+    return tokenizer
 
 
 def _check_rows(config: RunConfig, encoder: PromptEncoder) -> tuple[list[PromptRow], list[PromptRow]]:

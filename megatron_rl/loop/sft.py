@@ -20,18 +20,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from megatron_rl.actor.batch import ActorBatch
+from megatron_rl.actor.batch import prompt_response_batch
 from megatron_rl.actor.group import ActorGroup
 from megatron_rl.actor.spec import ActorSpec
-from megatron_rl.cluster.placement import actor_placement, alive_nodes, cpu_threads, place_on_gpus, plan_gpu_placement
 from megatron_rl.config.lib import ConfigError, save_resolved, to_dict
 from megatron_rl.config.rollout import RolloutConfig
 from megatron_rl.config.sft import SFTRunConfig
 from megatron_rl.data.loaders import load_sft_rows
 from megatron_rl.data.sft import SFTExamples, SFTSource, encode_sft_rows
-from megatron_rl.loop.builder import start_ray
+from megatron_rl.loop.builder import close_all, placements, start_ray
 from megatron_rl.loop.preflight import (
     check_architecture,
     check_initial_weights,
@@ -45,7 +42,7 @@ from megatron_rl.loop.steps import StepLoop
 from megatron_rl.observability import MetricsSink
 from megatron_rl.storage.checkpoints import ResumeChoice, prune_checkpoints
 
-__all__ = ["SFTPreflight", "SFTTrainer", "sft_actor_spec", "sft_batch", "sft_preflight"]
+__all__ = ["SFTPreflight", "SFTTrainer", "sft_actor_spec", "sft_preflight"]
 
 _ACTOR_ROLLOUT = RolloutConfig(placement="colocated")
 """The rollout section an SFT actor is built with: temperature 1 (the eval NLL's log-probs;
@@ -60,21 +57,6 @@ def sft_actor_spec(config: SFTRunConfig) -> ActorSpec:
         architecture=model.hf_config if model.hf_config is not None else model.tiny.to_hf_config_dict(),
         model=model, parallel=config.parallel, trainer=config.trainer, actor=config.actor, rollout=_ACTOR_ROLLOUT,
     )  # fmt: skip
-
-
-def sft_batch(examples: list[tuple[list[int], list[int]]], pad_id: int) -> ActorBatch:
-    """``[N, L]`` right-padded rows of ``(prompt_ids, response_ids)`` with the loss on the
-    response tokens (``loss_mask``: input-aligned, 1 where the token is a response token)."""
-    length = max(len(p) + len(r) for p, r in examples)
-    ids = torch.full((len(examples), length), pad_id, dtype=torch.long)
-    attention = torch.zeros((len(examples), length), dtype=torch.long)
-    loss_mask = torch.zeros((len(examples), length), dtype=torch.float32)
-    for i, (prompt, response) in enumerate(examples):
-        n = len(prompt) + len(response)
-        ids[i, :n] = torch.tensor(prompt + response)
-        attention[i, :n] = 1
-        loss_mask[i, len(prompt) : n] = 1.0
-    return ActorBatch(input_ids=ids, attention_mask=attention, loss_mask=loss_mask)
 
 
 @dataclass(kw_only=True)
@@ -104,10 +86,7 @@ def sft_preflight(config: SFTRunConfig) -> SFTPreflight:
                                          longest_what="data.max_sequence_tokens")  # fmt: skip
     check_initial_weights(config)
     resume = resume_checkpoint(config)
-    tokenizer = load_tokenizer(config)
-    if len(tokenizer) > hf_config["vocab_size"]:
-        raise ConfigError("model.tokenizer", f"the tokenizer has {len(tokenizer)} tokens but the model's "
-                          f"vocab_size is {hf_config['vocab_size']}")  # fmt: skip
+    tokenizer = load_tokenizer(config, vocab_size=hf_config["vocab_size"])
     if not data.train_files:
         raise ConfigError("data.train_files", "is empty; the run has no training rows")
     keys = {"prompt_key": data.prompt_key, "response_key": data.response_key}
@@ -144,7 +123,8 @@ class SFTTrainer(StepLoop):
         try:
             save_resolved(config, config.run_dir)
             start_ray(config.run_dir)
-            self.actors = ActorGroup(sft_actor_spec(config), self._placement())
+            actor_group, _, self.placement = placements(config.parallel, _ACTOR_ROLLOUT)
+            self.actors = ActorGroup(sft_actor_spec(config), actor_group)
             if config.model.initial_weights is not None:
                 self.actors.load_initial_weights(config.model.initial_weights)
             self.sink = MetricsSink(config.run_dir, wandb_mode=config.logging.wandb_mode,
@@ -154,19 +134,9 @@ class SFTTrainer(StepLoop):
             self.close()
             raise
 
-    def _placement(self):
-        """The actor ranks' placement: placement groups on a GPU cluster, plain options on CPU."""
-        nodes = alive_nodes()
-        threads = cpu_threads(self.config.parallel, _ACTOR_ROLLOUT, nodes)
-        if not any(n.num_gpus for n in nodes):
-            return actor_placement(self.config.parallel, torch_threads=threads)
-        self.placement = place_on_gpus(plan_gpu_placement(self.config.parallel, _ACTOR_ROLLOUT, nodes),
-                                       torch_threads=threads)  # fmt: skip
-        return self.placement.actor
-
     def train_one_step(self, step: int) -> dict[str, float]:
         start = time.perf_counter()
-        batch = sft_batch(self.source.next_examples(self.config.data.rows_per_step), self.source.pad_id)
+        batch = prompt_response_batch(self.source.next_examples(self.config.data.rows_per_step), pad_id=self.source.pad_id)
         metrics = self.actors.sft_step(batch)
         seconds = time.perf_counter() - start
         metrics["sft/response_tokens"] = float(batch.loss_mask.sum())
@@ -181,7 +151,7 @@ class SFTTrainer(StepLoop):
         examples, size = self.source.eval_examples(), self.config.data.rows_per_step
         total = count = 0.0
         for lo in range(0, len(examples), size):
-            batch = sft_batch(examples[lo : lo + size], self.source.pad_id)
+            batch = prompt_response_batch(examples[lo : lo + size], pad_id=self.source.pad_id)
             logp = self.actors.compute_logprobs(batch).logp.double()
             total -= float((logp * batch.loss_mask).sum())
             count += float(batch.loss_mask.sum())
@@ -211,14 +181,8 @@ class SFTTrainer(StepLoop):
     def close(self) -> None:
         """Flush the metrics, stop the actor ranks, release the run directory; every part is
         closed even if one fails (the first error is raised at the end)."""
-        errors = []
-        for part in (self.sink and self.sink.close, self.actors and self.actors.shutdown,
-                     self.placement and self.placement.remove, self.lock and self.lock.release):  # fmt: skip
-            try:
-                if part:
-                    part()
-            except Exception as e:  # noqa: BLE001  (the others still close)
-                errors.append(e)
-        self.sink = self.actors = self.placement = self.lock = None
-        if errors:
-            raise errors[0]
+        try:
+            close_all(self.sink and self.sink.close, self.actors and self.actors.shutdown,
+                      self.placement and self.placement.remove, self.lock and self.lock.release)
+        finally:
+            self.sink = self.actors = self.placement = self.lock = None

@@ -516,6 +516,15 @@ def num_people_group(row: PromptRow) -> str:
     return f"n{row.metadata['num_people']}" if "num_people" in row.metadata else "all"
 
 
+KK_TOKENIZER_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", *_TAGS)
+"""The special tokens of ``--tokenizer`` (ids 0-6): the end of sequence (also padding),
+ChatML's markers and the four K&K tags."""
+
+KK_TOKENIZER_VOCAB_SIZE = 1024
+"""``--tokenizer-vocab-size``'s default: bytes + specials + merges, enough that names and the
+puzzle's words are mostly one token each."""
+
+
 def _add_generator_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-people", type=int, nargs="+", default=[3, 4, 5, 6, 7], metavar="N",
                         help="puzzle sizes to generate (default: 3 4 5 6 7)")  # fmt: skip
@@ -526,7 +535,8 @@ def _add_generator_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokenizer", action="store_true",
                         help="also train a byte-level BPE tokenizer on the train rows into OUT/tokenizer "
                              "(for models trained from scratch on CPU)")  # fmt: skip
-    parser.add_argument("--tokenizer-vocab-size", type=int, default=1024, help="its vocabulary (default: 1024)")
+    parser.add_argument("--tokenizer-vocab-size", type=int, default=KK_TOKENIZER_VOCAB_SIZE,
+                        help=f"its vocabulary (default: {KK_TOKENIZER_VOCAB_SIZE})")  # fmt: skip
 
 
 def _check_generator_arguments(args: argparse.Namespace) -> str | None:
@@ -543,12 +553,6 @@ def _check_generator_arguments(args: argparse.Namespace) -> str | None:
 def _generate(args: argparse.Namespace) -> Splits:
     return generate_splits(args.num_people, train_per_n=args.train_per_n, test_per_n=args.test_per_n, seed=args.seed,
                            sft_responses=args.sft_responses)  # fmt: skip
-
-
-KK_TOKENIZER_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", *_TAGS)
-"""The special tokens of ``--tokenizer`` (ids 0-6): the end of sequence (also padding),
-ChatML's markers and the four K&K tags. Its default vocabulary, 1024 (bytes + specials +
-merges), makes names and the puzzle's words mostly one token each."""
 
 
 def _write_tokenizer(out: Path, args: argparse.Namespace) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from megatron_rl.data.loaders import DataError, PromptRow
-from megatron_rl.data.prompts import PLAIN_STYLE, PromptEncoder, render_prompt
+from megatron_rl.data.prompts import PLAIN_STYLE, PromptEncoder, render_prompt, tokenize
 from megatron_rl.tasks.kk import KK_STYLE, KK_SYSTEM_PROMPT
 from megatron_rl.tasks.toy import build_toy_tokenizer
 
@@ -121,4 +121,4 @@ def test_check_tokenises_every_row_and_names_the_first_bad_one():
     assert err.value.row == 2 and "more than rollout.max_prompt_tokens=6" in str(err.value)
     assert "1 more bad prompt(s)" in str(err.value) and "row 7" in str(err.value)
     encoder.check(rows[:1])  # a good row passes
-    assert encoder._tokenize(["copy 1 2 ="]) == encoder.encode(rows[:1])[1]  # the batched ids are encode's
+    assert tokenize(encoder.tokenizer, ["copy 1 2 ="]) == encoder.encode(rows[:1])[1]  # the batched ids are encode's
