@@ -172,8 +172,16 @@ def run_case(case: dict) -> dict:
     batch = ActorBatch(input_ids=ids, attention_mask=attn, loss_mask=loss_mask, old_logp=old, ref_logp=ref_logp,
                        advantages=torch.randn(n, 1, generator=g).expand_as(old).clone())  # fmt: skip
     resident = probe.rss()
-    for _ in range(case["warmup_steps"]):  # Adam allocates its moments on the first step
-        actor.train_step(batch)
+    # Adam allocates its moments on the first step, whatever its batch: the warm-up steps
+    # train on a short slice (one sequence per data-parallel rank) so that the measured step
+    # is most of the case's compute.
+    rows, cols = actor.groups.dp_size, min(case["seq_len"], 32)
+    warmup = ActorBatch(input_ids=ids[:rows, :cols], attention_mask=attn[:rows, :cols],
+                        loss_mask=loss_mask[:rows, :cols], old_logp=old[:rows, :cols],
+                        ref_logp=None if ref_logp is None else ref_logp[:rows, :cols],
+                        advantages=batch.advantages[:rows, :cols])  # fmt: skip
+    for _ in range(case["warmup_steps"]):
+        actor.train_step(warmup)
     before_step = probe.rss()
     dist.barrier()
     start = time.perf_counter()

@@ -29,7 +29,7 @@ torchrun rank           tests/helpers/(\w+)\.py
 torchrun launcher       torch\.distributed\.run|torchrun
 cli run                 -m megatron_rl (\w+)|megatron-rl (\w+)
 vllm engine core        VLLM|EngineCore|vllm
-multiprocessing child   multiprocessing
+multiprocessing child   multiprocessing\.(\w+)
 slurm                   slurm|munge
 benchmark               benchmarks/(\w+)\.py
 pytest                  pytest
@@ -71,6 +71,9 @@ def sample(seen: dict[int, tuple[str, float]]) -> None:
                 cmdline = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
             if cmdline:
                 kind = kind_of(cmdline)
+                if kind.startswith("multiprocessing"):  # named by its parent: the cost is the parent's
+                    parent = seen.get(int(fields[1]), ("?",))[0]
+                    kind = seen[pid][0] if pid in seen else f"{kind} of {parent}"
             else:  # an exiting process has none: keep what it was
                 kind = seen[pid][0] if pid in seen else kind_of(stat[stat.index("(") + 1 : stat.rindex(")")])
             seen[pid] = (kind, cpu_s)

@@ -1,4 +1,4 @@
-"""``megatron-rl sweep`` end to end on the CPU demo: 2 methods x 2 seeds x 20 steps, each
+"""``megatron-rl sweep`` end to end on the CPU demo: 2 methods x 2 seeds x 6 steps, each
 run a real ``megatron-rl train`` process, then the comparison table, JSON and plot."""
 
 import json
@@ -8,12 +8,12 @@ from megatron_rl.observability import read_metrics
 from tests.e2e.conftest import EXAMPLE, ROOT, tiny_overrides
 from tests.helpers.jobs import run_job
 
-NUM_STEPS = 20
+NUM_STEPS = 6
 
 
 def test_sweep_two_methods_two_seeds(tmp_path):
     out = tmp_path / "sweep"
-    overrides = tiny_overrides(tmp_path / "unused", f"trainer.num_steps={NUM_STEPS}", "trainer.eval_every_steps=10",
+    overrides = tiny_overrides(tmp_path / "unused", f"trainer.num_steps={NUM_STEPS}", "trainer.eval_every_steps=3",
                                "trainer.save_every_steps=0")  # fmt: skip
     cmd = [sys.executable, "-m", "megatron_rl", "sweep", str(EXAMPLE), *overrides,
            "--methods", "grpo,ar", "--seeds", "2", "--out", str(out), "--threshold", "0.0"]  # fmt: skip
@@ -39,7 +39,7 @@ def test_sweep_two_methods_two_seeds(tmp_path):
     payload = json.loads((out / "comparison.json").read_text())
     assert [m["method"] for m in payload["methods"]] == ["grpo", "ar"]
     for m in payload["methods"]:
-        assert len(m["final_accuracy"]["values"]) == 2 and m["num_reached"] == 2  # threshold 0: reached at step 10
+        assert len(m["final_accuracy"]["values"]) == 2 and m["num_reached"] == 2  # threshold 0: reached at step 3
         assert 0.0 <= m["low_quartile_grad_share"]["mean"] <= 1.0
     assert (out / "comparison.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
