@@ -10,7 +10,6 @@ from megatron_rl.config.lib import (
     ConfigError,
     check_literals,
     require_range,
-    warn_config,
 )
 
 
@@ -242,7 +241,7 @@ class ModelConfig(ModelOptions):
 
     checkpoint: str | None = None
     """Weights to start from: a HF safetensors directory or a Megatron distributed
-    checkpoint (see ``megatron-rl convert``). Read only with ``init: pretrained``."""
+    checkpoint (see ``megatron-rl convert``). Only with ``init: pretrained`` (an error otherwise)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -252,7 +251,10 @@ class ModelConfig(ModelOptions):
         if self.init == "pretrained" and self.checkpoint is None and self.hf_config is None:
             raise ConfigError("checkpoint", "got None; init 'pretrained' with a tiny model needs a checkpoint to load")
         if self.init == "random" and self.checkpoint is not None:
-            warn_config("checkpoint", f"{self.checkpoint!r} is ignored because init is 'random'")
+            # An error, not a warning: a run meant to start from an SFT or converted
+            # checkpoint would otherwise train a random model to the end.
+            raise ConfigError("checkpoint", f"{self.checkpoint!r} would be ignored: init is 'random'; set "
+                                            "model.init: pretrained to start from it, or leave model.checkpoint unset")  # fmt: skip
         if self.dtype is None:  # resolved here, so the saved config says what ran
             self.dtype = "float32" if self.tiny is not None else "bfloat16"
 

@@ -342,7 +342,6 @@ def test_hf_model_skips_architecture_checks(tmp_path):
         (["algorithm.constant_normalizer=64"], "algorithm.constant_normalizer"),
         (["trainer.min_lr=1e-5"], "trainer.min_lr"),
         (["data.eval_files=[]"], "trainer.eval_every_steps"),
-        (["model.checkpoint=/ckpt/x"], "model.checkpoint"),
         (["rollout.num_samples_per_prompt=1", "trainer.num_minibatches_per_step=1"], "rollout.num_samples_per_prompt"),
     ],
 )
@@ -393,6 +392,13 @@ def test_renamed_reward_key_selects_the_task(tmp_path):
 def test_settings_not_supported_yet_are_errors_not_no_ops(tmp_path, overrides, path):
     err = _load_error(tmp_path, *overrides)
     assert err.path == path and ("not supported yet" in str(err) or "only 'colocated'" in str(err))
+
+
+def test_a_checkpoint_with_a_random_init_is_refused(tmp_path):
+    """Not a warning: the run would train a random model from step 1 to the end."""
+    err = _load_error(tmp_path, "model.checkpoint=/ckpt/x")
+    assert err.path == "model.checkpoint" and "model.init: pretrained" in str(err)
+    assert _load(tmp_path, "model.checkpoint=/ckpt/x", "model.init=pretrained").model.initial_weights == "/ckpt/x"
 
 
 def test_vllm_ray_executor_is_refused_before_anything_starts(tmp_path):
