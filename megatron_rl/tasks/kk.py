@@ -516,9 +516,9 @@ def num_people_group(row: PromptRow) -> str:
     return f"n{row.metadata['num_people']}" if "num_people" in row.metadata else "all"
 
 
-KK_TOKENIZER_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", *_TAGS)
-"""The special tokens of ``--tokenizer`` (ids 0-6): the end of sequence (also padding),
-ChatML's markers and the four K&K tags."""
+KK_TOKENIZER_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+"""The special tokens of ``--tokenizer`` (ids 0-2): the end of sequence (also padding) and
+ChatML's markers; the four K&K tags follow (ids 3-6), single tokens that decoding keeps."""
 
 KK_TOKENIZER_VOCAB_SIZE = 1024
 """``--tokenizer-vocab-size``'s default: bytes + specials + merges, enough that names and the
@@ -558,7 +558,7 @@ def _generate(args: argparse.Namespace) -> Splits:
 def _write_tokenizer(out: Path, args: argparse.Namespace) -> None:
     if args.tokenizer:
         write_bpe_tokenizer(out / "tokenizer", out / "train.jsonl", style=KK_STYLE, special_tokens=KK_TOKENIZER_SPECIALS,
-                            vocab_size=args.tokenizer_vocab_size)  # fmt: skip
+                            tags=_TAGS, vocab_size=args.tokenizer_vocab_size)  # fmt: skip
 
 
 def _per_size(splits: Splits, args: argparse.Namespace) -> dict[str, Splits]:

@@ -148,6 +148,7 @@ def test_the_cpu_tokenizer_round_trips_rows_exactly_and_is_deterministic(tmp_pat
     from transformers import AutoTokenizer
 
     from megatron_rl.cli import main
+    from megatron_rl.data.prompts import PromptEncoder
     from megatron_rl.tasks.kk import KK_TOKENIZER_SPECIALS as SPECIAL_TOKENS
 
     args = ["generate-data", "kk", "--num-people", "2", "3", "--train-per-n", "20", "--test-per-n", "4",
@@ -158,7 +159,9 @@ def test_the_cpu_tokenizer_round_trips_rows_exactly_and_is_deterministic(tmp_pat
     ).read_bytes()
     tok = AutoTokenizer.from_pretrained(str(tmp_path / "a" / "tokenizer"))
     assert tok.eos_token_id == tok.pad_token_id == 0
-    assert [tok.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS] == list(range(len(SPECIAL_TOKENS)))
+    tags = ["<think>", "</think>", "<answer>", "</answer>"]
+    assert [tok.convert_tokens_to_ids(t) for t in [*SPECIAL_TOKENS, *tags]] == list(range(7))
+    assert tok.decode(list(range(7)), skip_special_tokens=True) == "".join(tags)  # the tags are kept
     for line in (tmp_path / "a" / "test.jsonl").read_text().splitlines():  # rows it was not trained on
         row = json.loads(line)
         prompt = render_prompt(row["prompt"], template="literal", style=KK_STYLE)
@@ -166,4 +169,10 @@ def test_the_cpu_tokenizer_round_trips_rows_exactly_and_is_deterministic(tmp_pat
             ids = tok.encode(text, add_special_tokens=False)
             assert tok.decode(ids) == text
         assert tok.encode("<think>", add_special_tokens=False) == [tok.convert_tokens_to_ids("<think>")]
+        # what the trainer scores: the generated ids (the response, then EOS) decoded as the
+        # run decodes them keep the tags, and the worked solution scores the full 3.0
+        generated = tok.encode(row["response"], add_special_tokens=False) + [tok.eos_token_id]
+        decoded = PromptEncoder(tok, template="literal", style=KK_STYLE, max_prompt_tokens=4096).decode(generated)
+        assert decoded == row["response"]
+        assert kk_logic(decoded, row["ground_truth"], prompt=prompt).score == 3.0
     assert main([*args, "--out", str(tmp_path / "c"), "--tokenizer-vocab-size", "100"]) == 2
