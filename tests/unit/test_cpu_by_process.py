@@ -19,6 +19,25 @@ def test_kinds_are_read_from_the_command_line():
     )
     assert kind_of("/venv/bin/python -m megatron_rl train examples/tiny_cpu.yaml") == "cli run: train"
     assert kind_of("/usr/bin/sleep 3") == "other: sleep"
+    spawned = "/venv/bin/python -c from multiprocessing.spawn import spawn_main; spawn_main(tracker_fd=5, pipe_handle=7)"
+    assert kind_of(spawned) == "multiprocessing child: spawn"
+
+
+def test_a_spawned_child_is_named_by_its_parent(tmp_path):
+    """megatron's checkpoint writer spawns a Manager in each actor process: its CPU time is
+    the actor's cost, so the report names the parent's kind."""
+    out = tmp_path / "cpu.json"
+    parent = ("import multiprocessing as mp, time\n"
+              "def busy():\n    t = time.process_time()\n    while time.process_time() - t < 1.5: pass\n"
+              "if __name__ == '__main__':\n    p = mp.get_context('spawn').Process(target=busy); p.start(); p.join()")  # fmt: skip
+    script = tmp_path / "parent.py"
+    script.write_text(parent)
+    cmd = [sys.executable, str(ROOT / "tools" / "cpu_by_process.py"), "--interval-s", "0.2", "--out", str(out),
+           "--", sys.executable, str(script)]  # fmt: skip
+    assert subprocess.run(cmd, capture_output=True, timeout=60).returncode == 0
+    kinds = {json.loads(line)["kind"]: json.loads(line) for line in out.read_text().splitlines()}
+    child = kinds.get(f"multiprocessing child: spawn of {kind_of(f'{sys.executable} {script}')}")
+    assert child and 1.2 <= child["cpu_s"] <= 2.5, kinds
 
 
 def test_a_busy_child_is_counted(tmp_path):
