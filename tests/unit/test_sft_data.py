@@ -102,3 +102,21 @@ def test_docs_sft_config_md_is_up_to_date():
     assert docs.read_text(encoding="utf-8") == sft_config_reference(), (
         "docs/sft_config.md is stale; regenerate it with: python -m megatron_rl.config sft > docs/sft_config.md"
     )
+
+
+def test_the_kk_cpu_examples_load_and_rl_starts_from_the_sft_runs_last_checkpoint():
+    """examples/kk_cpu: the RL config builds the SFT config's model and starts from the
+    checkpoint its last step writes, with its tokenizer and rows."""
+    from pathlib import Path
+
+    from megatron_rl.config.run import load_run_config
+    from megatron_rl.config.sft import load_sft_config
+
+    root = Path(__file__).resolve().parents[2] / "examples" / "kk_cpu"
+    sft, rl = load_sft_config(root / "sft.yaml"), load_run_config(root / "rl.yaml")
+    assert rl.model.tiny == sft.model.tiny and rl.model.tokenizer == sft.model.tokenizer
+    assert rl.model.init == "pretrained" and sft.model.init == "random"
+    assert Path(rl.model.checkpoint) == sft.run_dir / "checkpoints" / f"step_{sft.trainer.num_steps:06d}"
+    assert sft.trainer.save_final or sft.trainer.num_steps % sft.trainer.save_every_steps == 0
+    assert rl.data.train_files == sft.data.train_files and rl.data.task == sft.data.task == "kk_logic"
+    assert rl.data.prompt_template == sft.data.prompt_template == "literal"
