@@ -60,8 +60,9 @@ class StepLoop:
 
     def save_due(self, step: int) -> bool:
         every, num_steps = self.config.trainer.save_every_steps, self.config.trainer.num_steps
+        # On a stop, the last step is saved: one submitted early still runs after this one.
         return bool((every and step % every == 0) or (step == num_steps and self.config.trainer.save_final)
-                    or self.stopping)  # fmt: skip
+                    or (self.stopping and not self.update_in_flight()))  # fmt: skip
 
     # ------------------------------------------------------------------ hooks
 
