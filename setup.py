@@ -31,6 +31,7 @@ INSTALL_REQUIRES = [
     "math-verify>=0.9,<0.10",
     "matplotlib>=3.9,<4",  # tools/plot_run.py (Agg backend, no display)
     "pyarrow>=26,<27",  # .parquet datasets (megatron_rl.data.loaders)
+    "scipy>=1.11,<2",  # Welch's t-test of a sweep's methods (megatron_rl.observability.comparison)
     # FP8 rollout weights (weight_sync.fp8); pure Python, installs on CPU machines too.
     "nvidia-modelopt>=0.47,<0.48",
 ]

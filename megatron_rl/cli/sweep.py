@@ -38,6 +38,11 @@ from ``grpo_3b.yaml`` in ``--methods-dir`` (default ``examples/kk_logic``), e.g.
 CONFIG. A preset must turn on exactly the registered token-weight methods its name
 joins (``ar_lopti`` -> ``ar`` and ``lopti``; ``grpo`` -> none): this is checked before
 any run starts.
+
+A method may name a variant: ``METHOD:FIELD=VALUE[:FIELD=VALUE...]`` runs ``METHOD``'s
+preset plus ``algorithm.FIELD=VALUE`` (before the user's overrides), under its own label,
+which is also its directory: ``tr_grpo:tr_grpo.placement=loss`` beside ``tr_grpo`` compares
+TR-GRPO's two placements in one sweep.
 """
 
 from __future__ import annotations
@@ -87,7 +92,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "overrides", nargs="*", metavar="section.field=value", help="overrides applied to every run (values are YAML)"
     )
     parser.add_argument(
-        "--methods", default=DEFAULT_METHODS, help=f"comma-separated methods (default: {DEFAULT_METHODS})"
+        "--methods",
+        default=DEFAULT_METHODS,
+        help=f"comma-separated methods, each METHOD or METHOD:FIELD=VALUE[:...] (a variant: algorithm.FIELD=VALUE "
+        f"on top of the method's preset) (default: {DEFAULT_METHODS})",
     )
     parser.add_argument("--seeds", type=int, default=3, help="seeds per method: trainer.seed + 0 .. N-1 (default: 3)")
     parser.add_argument("--out", default=None, help="sweep directory (default: <trainer.output_dir>/<run_name>_sweep)")
@@ -159,6 +167,19 @@ def preset_overrides(preset: dict[str, Any]) -> list[str]:
     return [f"{key}={json.dumps(value)}" for key, value in preset.items()]
 
 
+def parse_method(spec: str) -> tuple[str, list[str]]:
+    """``METHOD[:FIELD=VALUE...]`` -> ``(METHOD, ["algorithm.FIELD=VALUE", ...])`` (module
+    docstring). Raises :class:`ConfigError` for a variant part that is not ``FIELD=VALUE``."""
+    method, *parts = spec.split(":")
+    for part in parts:
+        field, eq, _ = part.partition("=")
+        if not eq or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*", field):
+            raise ConfigError("--methods", f"{spec!r}: {part!r} is not FIELD=VALUE (a field of the algorithm section)")
+    if not method:
+        raise ConfigError("--methods", f"{spec!r} names no method before ':'")
+    return method, [f"algorithm.{part}" for part in parts]
+
+
 def expected_methods(method: str, registered: list[str]) -> set[str]:
     """The registered token-weight methods a sweep method's name joins with ``_``.
 
@@ -209,17 +230,18 @@ def plan_runs(args: argparse.Namespace) -> tuple[Path, list[Run], Any]:
     registered = TOKEN_WEIGHT_METHODS.names()
     runs = []
     for method in methods:
-        preset = preset_overrides(method_preset(method, methods_dir))
+        name, variant = parse_method(method)
+        preset = [*preset_overrides(method_preset(name, methods_dir)), *variant]
         for i in range(args.seeds):
             seed = base.trainer.seed + i
             own = [f"trainer.seed={seed}", f"trainer.output_dir={out / method}", f"logging.run_name=seed{seed}"]
             overrides = [*preset, *args.overrides, *own]
             config = load_run_config(args.config, overrides)
             got = {m.name for m in enabled_methods(config.algorithm)}
-            if got != expected_methods(method, registered):
+            if got != expected_methods(name, registered):
                 raise ConfigError(
                     "--methods", f"{method!r} runs with token-weight methods {sorted(got)} (preset {preset}, "
-                    f"overrides {args.overrides}); expected {sorted(expected_methods(method, registered))}"
+                    f"overrides {args.overrides}); expected {sorted(expected_methods(name, registered))}"
                 )  # fmt: skip
             runs.append((method, seed, overrides))
     return out, runs, base
@@ -453,4 +475,6 @@ def _run_slurm(
     return None, failed
 
 
-__all__ = ["JobEnd", "add_arguments", "expected_methods", "job_end", "method_preset", "plan_runs", "run"]
+__all__ = [
+    "JobEnd", "add_arguments", "expected_methods", "job_end", "method_preset", "parse_method", "plan_runs", "run",
+]  # fmt: skip

@@ -120,6 +120,11 @@ class TrainerConfig(OptimConfig):
     eval_every_steps: int = 0
     """Evaluate on ``data.eval_files`` every this many steps; 0 disables evaluation."""
 
+    eval_before_train: bool = False
+    """Also evaluate before the first step of a run that starts fresh, logged as step 0 (the
+    starting point's accuracy, e.g. an SFT checkpoint's); a resumed run does not repeat it.
+    Needs ``eval_every_steps``."""
+
     max_consecutive_nonfinite_steps: int = 3
     """A step whose loss or gradient norm is not finite is skipped; this many in a row stop
     the run (the last good checkpoint is kept)."""
@@ -151,6 +156,8 @@ class TrainerConfig(OptimConfig):
         )  # fmt: skip
         require_range("save_every_steps", self.save_every_steps, ge=0)
         require_range("eval_every_steps", self.eval_every_steps, ge=0)
+        if self.eval_before_train and not self.eval_every_steps:
+            raise ConfigError("eval_before_train", "needs evaluation on: set eval_every_steps")
         require_range("keep_last_checkpoints", self.keep_last_checkpoints, ge=0)
         require_range("keep_every_steps", self.keep_every_steps, ge=0)
         if self.keep_every_steps and not self.keep_last_checkpoints:

@@ -254,6 +254,8 @@ class PipelinedTrainer(Trainer):
         return self._next is not None  # submitted early: it runs (and is saved) before the loop stops
 
     def evaluate(self, step: int) -> dict[str, float]:
+        if self.ahead is None:  # before generation starts (trainer.eval_before_train)
+            return super().evaluate(step)
         with self.ahead.paused():  # the pool is evaluation's meanwhile
             return super().evaluate(step)
 

@@ -40,6 +40,8 @@ class StepLoop:
         with ExitStack() as stack:
             progress = ProgressLine(cfg.trainer.num_steps, start_step=self.step)
             stack.callback(progress.close)
+            if self.step == 0 and cfg.trainer.eval_before_train:  # the starting point, as step 0
+                self.sink.log(0, self.evaluate(0))
             self.start_generating(stack)
             # An update already submitted (early, by the pipelined loop) is finished first.
             while self.step < cfg.trainer.num_steps and not (self.stopping and not self.update_in_flight()):

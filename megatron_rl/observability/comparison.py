@@ -11,12 +11,20 @@ Input: run directories (each with a ``metrics.jsonl``), labelled by method and s
 - ``low_quartile_grad_share``: the mean over the run's steps with a gradient of
   ``tokens/quartile_q1/grad_share``, the lowest-probability quarter's share of the
   logit-gradient norm (the AR/Lopti paper's Figure 1 quantity);
+- ``start_quartile_mean_p`` / ``start_quartile_grad_share``: the four ``p_old``
+  quartiles' mean probability (q1 lowest) at the first logged step, and their shares of
+  the logit-gradient norm at the first step with a gradient: the regime the run starts
+  in (after SFT the lowest quartile's mean p sits far above ``1/V``; at random init it
+  is about ``1/V``);
 - ``wall_s``: seconds from the first to the last logged step.
 
 Per method (:func:`aggregate`): the mean over seeds and its standard error
 ``s / sqrt(n)`` (``s`` the sample standard deviation, ``n - 1`` degrees of freedom;
 ``None`` for one seed). ``steps_to_threshold`` is averaged over the seeds that reached
-the threshold, and how many did is reported beside it.
+the threshold, and how many did is reported beside it. Each method's final accuracy and
+final reward are tested against the baseline method's (``grpo`` by default) with Welch's
+two-sided t-test over seeds (unequal variances; ``None`` with fewer than two seeds on
+either side or no variance on both).
 """
 
 from __future__ import annotations
@@ -29,6 +37,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from scipy import stats
+
 from megatron_rl.observability.diagnostics import GRAD_NORM_SUM_KEY, QUARTILE_GROUPS
 from megatron_rl.observability.metrics import read_metrics
 from megatron_rl.observability.plots import NUM_BINS, series
@@ -37,6 +47,8 @@ ACCURACY_KEY = "eval/accuracy/mean"
 REWARD_KEY = "rollout/reward/mean"
 ENTROPY_KEY = "loss/entropy"
 LOW_SHARE_KEY = f"{QUARTILE_GROUPS[0].prefix}/grad_share"
+BASELINE_METHOD = "grpo"
+"""The method the others are tested against."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -73,6 +85,10 @@ class RunSummary:
     """Mean ``loss/entropy`` (nats) over the last ``tail_fraction`` of steps."""
     low_quartile_grad_share: float | None
     """Mean share of the logit-gradient norm from the lowest ``p_old`` quartile."""
+    start_quartile_mean_p: list[float] | None
+    """Mean ``p_old`` of quartiles q1..q4 (q1 lowest) at the first logged step."""
+    start_quartile_grad_share: list[float] | None
+    """Gradient shares of quartiles q1..q4 at the first step with a gradient."""
     wall_s: float
     """Seconds from the first to the last logged step."""
 
@@ -110,6 +126,14 @@ def _tail_mean(records: Sequence[dict[str, Any]], key: str, tail_fraction: float
     return statistics.fmean(values[-n:])
 
 
+def _quartiles_at_start(records: Sequence[dict[str, Any]], name: str, *, need_gradient: bool) -> list[float] | None:
+    keys = [f"{g.prefix}/{name}" for g in QUARTILE_GROUPS]
+    for r in records:
+        if all(r.get(k) is not None for k in keys) and (not need_gradient or (r.get(GRAD_NORM_SUM_KEY) or 0) > 0):
+            return [float(r[k]) for k in keys]
+    return None
+
+
 def summarize_run(
     label: RunLabel, *, threshold_key: str = ACCURACY_KEY, threshold: float = 0.9, tail_fraction: float = 0.1
 ) -> RunSummary:
@@ -130,6 +154,8 @@ def summarize_run(
         final_reward=_tail_mean(records, REWARD_KEY, tail_fraction),
         final_entropy=_tail_mean(records, ENTROPY_KEY, tail_fraction),
         low_quartile_grad_share=statistics.fmean(shares) if shares else None,
+        start_quartile_mean_p=_quartiles_at_start(records, "mean_p", need_gradient=False),
+        start_quartile_grad_share=_quartiles_at_start(records, "grad_share", need_gradient=True),
         wall_s=float(records[-1]["time"] - records[0]["time"]) if len(records) > 1 else 0.0,
     )
 
@@ -154,39 +180,74 @@ class MethodSummary:
     """Final policy entropy over seeds."""
     low_quartile_grad_share: Stat
     """Lowest-quartile gradient share over seeds."""
+    start_q1_mean_p: Stat
+    """The lowest quartile's mean ``p_old`` at the first step, over seeds."""
+    start_q1_grad_share: Stat
+    """The lowest quartile's gradient share at the first step with a gradient, over seeds."""
     wall_s: Stat
     """Run wall time over seeds."""
+    accuracy_p_value: float | None
+    """Welch's two-sided p-value of final accuracy against the baseline method's."""
+    reward_p_value: float | None
+    """Welch's two-sided p-value of final reward against the baseline method's."""
 
 
-def aggregate(summaries: Sequence[RunSummary]) -> list[MethodSummary]:
-    """One :class:`MethodSummary` per method, in order of first appearance."""
+def welch_p_value(a: Sequence[float], b: Sequence[float]) -> float | None:
+    """Two-sided p-value of Welch's t-test (unequal variances) of ``a`` against ``b``;
+    ``None`` with fewer than two values on a side or no variance on both."""
+    if len(a) < 2 or len(b) < 2 or (statistics.variance(a) == 0 and statistics.variance(b) == 0):
+        return None
+    return float(stats.ttest_ind(a, b, equal_var=False).pvalue)
+
+
+def _q1(quartiles: list[float] | None) -> float | None:
+    return quartiles[0] if quartiles else None
+
+
+def aggregate(summaries: Sequence[RunSummary], *, baseline: str = BASELINE_METHOD) -> list[MethodSummary]:
+    """One :class:`MethodSummary` per method, in order of first appearance; p-values against
+    ``baseline`` where it is among the methods (``None`` for the baseline itself)."""
     methods = list(dict.fromkeys(s.method for s in summaries))
+    base = [s for s in summaries if s.method == baseline]
+    base_acc = Stat.of([s.final_accuracy for s in base]).values
+    base_reward = Stat.of([s.final_reward for s in base]).values
     out = []
     for m in methods:
         runs = [s for s in summaries if s.method == m]
         steps = [s.steps_to_threshold for s in runs]
+        acc, reward = Stat.of([s.final_accuracy for s in runs]), Stat.of([s.final_reward for s in runs])
+        tested = base and m != baseline
         out.append(
             MethodSummary(
                 method=m,
                 seeds=[s.seed for s in runs],
-                final_accuracy=Stat.of([s.final_accuracy for s in runs]),
+                final_accuracy=acc,
                 steps_to_threshold=Stat.of(steps),
                 num_reached=sum(v is not None for v in steps),
-                final_reward=Stat.of([s.final_reward for s in runs]),
+                final_reward=reward,
                 final_entropy=Stat.of([s.final_entropy for s in runs]),
                 low_quartile_grad_share=Stat.of([s.low_quartile_grad_share for s in runs]),
+                start_q1_mean_p=Stat.of([_q1(s.start_quartile_mean_p) for s in runs]),
+                start_q1_grad_share=Stat.of([_q1(s.start_quartile_grad_share) for s in runs]),
                 wall_s=Stat.of([s.wall_s for s in runs]),
+                accuracy_p_value=welch_p_value(acc.values, base_acc) if tested else None,
+                reward_p_value=welch_p_value(reward.values, base_reward) if tested else None,
             )
         )
     return out
+
+
+def _p_text(p: float | None) -> str:
+    return "-" if p is None else f"{p:.3f}"
 
 
 def comparison_markdown(methods: Sequence[MethodSummary], *, threshold_key: str, threshold: float) -> str:
     """The comparison table as Markdown (means ± standard errors over seeds)."""
     lines = [
         f"| method | seeds | final accuracy | steps to {threshold_key} >= {threshold:g} (reached) "
-        "| final reward | final entropy | q1 gradient share | wall s/run |",
-        "|---|---|---|---|---|---|---|---|",
+        f"| p vs {BASELINE_METHOD} (accuracy / reward) | final reward | final entropy | q1 gradient share "
+        "| q1 mean p at start | q1 gradient share at start | wall s/run |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for m in methods:
         steps = m.steps_to_threshold
@@ -197,8 +258,9 @@ def comparison_markdown(methods: Sequence[MethodSummary], *, threshold_key: str,
         )
         lines.append(
             f"| {m.method} | {len(m.seeds)} | {m.final_accuracy.text()} | {steps_text} ({m.num_reached}/{len(m.seeds)}) "
+            f"| {_p_text(m.accuracy_p_value)} / {_p_text(m.reward_p_value)} "
             f"| {m.final_reward.text()} | {m.final_entropy.text()} | {m.low_quartile_grad_share.text()} "
-            f"| {m.wall_s.text(0)} |"
+            f"| {m.start_q1_mean_p.text()} | {m.start_q1_grad_share.text()} | {m.wall_s.text(0)} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -227,7 +289,9 @@ def write_comparison(
         f"Means ± standard errors over seeds. Final accuracy: the last `{ACCURACY_KEY}`; final reward and "
         f"entropy: means over the last {tail_fraction:.0%} of steps; q1 gradient share: the lowest-p_old "
         "quartile's share of the logit-gradient norm, averaged over the steps with a gradient; steps to the "
-        "threshold: over the seeds that reached it.\n"
+        "threshold: over the seeds that reached it. q1 at start: the lowest-p_old quartile's mean p at the first "
+        f"step and its gradient share at the first step with a gradient. p vs {BASELINE_METHOD}: Welch's two-sided "
+        "t-test over seeds of final accuracy and final reward.\n"
     )
     md = out_dir / "comparison.md"
     md.write_text((header.rstrip() + "\n\n" if header else "") + table + "\n" + notes, encoding="utf-8")

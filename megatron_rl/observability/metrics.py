@@ -86,10 +86,11 @@ class MetricsSink:
 
     def truncate_after(self, step: int) -> None:
         """Drop lines of steps > ``step`` (and lines without a step): called as a run starts from
-        the checkpoint of ``step``, or from scratch with ``step=0``. Atomic (a temporary file
-        replaces the old one)."""
+        the checkpoint of ``step``, or from scratch with ``step=0``, which drops every line (a
+        step-0 line, ``trainer.eval_before_train``'s, is a fresh start's too). Atomic (a
+        temporary file replaces the old one)."""
         os.close(self._fd)
-        kept = [r for r in read_metrics(self.path) if isinstance(r.get("step"), int) and r["step"] <= step]
+        kept = [r for r in read_metrics(self.path) if step > 0 and isinstance(r.get("step"), int) and r["step"] <= step]
         tmp = self.path.with_suffix(".jsonl.tmp")
         with open(tmp, "w", encoding="utf-8") as f:
             for r in kept:

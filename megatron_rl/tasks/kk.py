@@ -264,20 +264,48 @@ def render_question(names: Sequence[str], statements: Sequence[Statement]) -> st
     )
 
 
+def _checked_claim(claim: Statement, names: Sequence[str], assignment: Sequence[bool]) -> str:
+    return f"{_claim_text(claim, names)} ({'yes' if evaluate(claim, assignment) else 'no'})"
+
+
+def checked_statement(statement: Statement, names: Sequence[str], assignment: Sequence[bool]) -> str:
+    """:func:`statement_text` with each claim's truth under ``assignment`` after it, e.g.
+    ``If Zoey is a knight (yes) then Oliver is a knave (no)``."""
+    op = statement[0]
+    if op in ("is", "not"):
+        return _checked_claim(statement, names, assignment)
+    a, b = (_checked_claim(c, names, assignment) for c in statement[1:])
+    return {"if": f"If {a} then {b}", "iff": f"{a} if and only if {b}"}.get(op, f"{a} {op} {b}")
+
+
 def reasoning_trace(puzzle: Puzzle) -> str:
-    """A worked solution by cases, one line per assignment in the solver's order: who would
-    lie or tell the truth against their role, or that every statement fits (the solution's
-    line). What a model learns to write in ``<think>`` from SFT rows (``--sft-responses``)."""
+    """A worked solution by cases, in the solver's order: for each assignment of roles, each
+    person's statement with every claim checked against the case, its truth, and whether
+    the speaker's role allows it; a case stops at the first statement that breaks it, and
+    the consistent case ends ``Every statement fits.``. What a model learns to write in
+    ``<think>`` from SFT rows (``--sft-responses``).
+
+    Why claim by claim: each step looks up one fact stated earlier in the same case (a
+    name's role in the case line, or the speaker's statement in the prompt), which a model
+    of a few million parameters learns; a one-line verdict per case, which folds the
+    lookups of all the statements into one token, stayed near chance at that size."""
     lines = []
     for assignment in itertools.product((True, False), repeat=puzzle.num_people):
-        roles = ", ".join(f"{name} is a {ROLES[0] if knight else ROLES[1]}" for name, knight in zip(puzzle.names, assignment))
-        broken = [p for p, s in enumerate(puzzle.statements) if evaluate(s, assignment) != assignment[p]]
-        if not broken:
-            verdict = "every statement fits"
+        roles = ", ".join(
+            f"{name} {ROLES[0] if knight else ROLES[1]}" for name, knight in zip(puzzle.names, assignment)
+        )
+        lines.append(f"Case: {roles}.")
+        for name, statement, knight in zip(puzzle.names, puzzle.statements, assignment):
+            truth = evaluate(statement, assignment)
+            said = (
+                f"{name} says {checked_statement(statement, puzzle.names, assignment)}: {'true' if truth else 'false'}"
+            )
+            if truth != knight:
+                lines.append(f"{said}, but {name} is a {ROLES[0] if knight else ROLES[1]}, impossible.")
+                break
+            lines.append(f"{said}, fits.")
         else:
-            p = broken[0]
-            verdict = f"{puzzle.names[p]} would {'lie' if assignment[p] else 'tell the truth'}, impossible"
-        lines.append(f"If {roles}: {verdict}.")
+            lines.append("Every statement fits.")
     return "\n".join(lines)
 
 

@@ -8,7 +8,8 @@
   ``submit_early``)
   and the shared-memory weight transport change no number: the run equals one that
   submits each update at its own step and syncs through the object store, step for step;
-* kill -9 while a batch is generated ahead, then resume: each step is logged once and
+* kill -9 while a batch is generated ahead, then resume: each step (and the evaluation
+  before training, ``trainer.eval_before_train``) is logged once and
   trains the prompts the uninterrupted run trains at that step (the batches that were
   queued or in flight are drawn again), with no response older than one version.
 (That it learns like the synchronous run, over 3 seeds: tests/e2e/test_demo_learns.py.)
@@ -71,10 +72,14 @@ def test_early_update_start_and_shared_memory_change_no_number(tmp_path, tiny_ru
 
 
 def test_kill9_with_a_batch_generated_ahead_then_resume(tmp_path):
-    args = ("trainer.num_steps=6", "trainer.save_every_steps=2", "trainer.eval_every_steps=0", *ASYNC)
+    # With an evaluation before training (step 0, before generation ahead starts), kept and
+    # not repeated by the resumed run.
+    args = ("trainer.num_steps=6", "trainer.save_every_steps=2", "trainer.eval_every_steps=6",
+            "trainer.eval_before_train=true", *ASYNC)  # fmt: skip
     runs = kill9_and_resume(tmp_path, *args, checkpointed=2, logged=3)  # step 4's batch is queued or in flight
     a, b = runs.uninterrupted, runs.resumed
-    assert sorted(b) == list(range(1, 7)), "each step is logged once"
+    assert sorted(b) == list(range(0, 7)), "each step is logged once"
+    assert b[0]["eval/accuracy/mean"] == a[0]["eval/accuracy/mean"] and "eval/accuracy/mean" in b[6]
     for step in range(1, 7):
         assert (b[step]["data/epoch"], b[step]["data/position"]) == (a[step]["data/epoch"], a[step]["data/position"])
         assert b[step]["rollout/staleness/max"] <= 1.0

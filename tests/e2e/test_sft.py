@@ -63,11 +63,15 @@ def test_an_rl_run_starts_from_the_sft_checkpoint(sft_run, tiny_run):
 
 
 def test_sft_kill9_then_resume_matches_an_uninterrupted_run(tmp_path):
-    args = ("trainer.num_steps=6", "trainer.save_every_steps=2", "trainer.eval_every_steps=3")
+    args = ("trainer.num_steps=6", "trainer.save_every_steps=2", "trainer.eval_every_steps=3",
+            "trainer.eval_before_train=true")  # fmt: skip
     runs = kill9_and_resume(tmp_path, *args, checkpointed=2, logged=3, example=SFT_EXAMPLE, command="sft")
     assert runs.latest_after_kill in ("step_000002", "step_000004")
     a, b = runs.uninterrupted, runs.resumed
-    assert sorted(b) == list(range(1, 7)), "each step is logged once (lines after the checkpoint dropped)"
+    # Each step is logged once (lines after the checkpoint dropped); the evaluation before
+    # training (step 0) is kept, not repeated, by the resumed run.
+    assert sorted(b) == list(range(0, 7))
+    assert b[0]["eval/nll"] == pytest.approx(a[0]["eval/nll"], rel=1e-6) and b[0]["eval/nll"] > b[6]["eval/nll"]
     for step in range(1, 7):
         for key in ("loss/total", "actor/grad_norm", "sft/response_tokens"):
             assert b[step][key] == pytest.approx(a[step][key], rel=1e-6, abs=1e-7), (step, key)

@@ -291,6 +291,12 @@ def test_tiny_to_hf_config_dict():
 # --------------------------------------------------------------------------- cross-section checks
 
 
+def test_an_evaluation_before_training_needs_evaluation_on(tmp_path):
+    err = _load_error(tmp_path, "trainer.eval_before_train=true", "trainer.eval_every_steps=0")
+    assert err.path == "trainer.eval_before_train" and "eval_every_steps" in str(err)
+    assert _load(tmp_path, "trainer.eval_before_train=true", "trainer.eval_every_steps=5").trainer.eval_before_train
+
+
 def test_minibatches_must_divide_samples_per_step(tmp_path):
     # the example's 8 prompts x 16 samples = 128 responses; 3 mini-batches cannot split them evenly.
     err = _load_error(tmp_path, "trainer.num_minibatches_per_step=3")

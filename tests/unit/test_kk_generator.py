@@ -137,11 +137,39 @@ def test_sft_responses_are_worked_solutions_the_reward_scores_full(num_people):
         for row in sft[split]:
             prompt = render_prompt(row["prompt"], template="literal", style=KK_STYLE)
             assert kk_logic(row["response"], row["ground_truth"], prompt=prompt).score == kk.MAX_SCORE
-            trace = row["response"].split("</think>")[0].strip().splitlines()
-            assert len(trace) == 2**num_people  # one case per assignment
-            fits = [line for line in trace if line.endswith("every statement fits.")]
-            solution = ", ".join(f"{s['name']} is a {s['role']}" for s in row["ground_truth"]["solution"])
-            assert fits == [f"If {solution}: every statement fits."]
+            cases = row["response"].split("</think>")[0].strip().split("Case: ")[1:]
+            assert len(cases) == 2**num_people  # one case per assignment, in the solver's order
+            fits = [case.splitlines()[0] for case in cases if case.rstrip().endswith("Every statement fits.")]
+            solution = ", ".join(f"{s['name']} {s['role']}" for s in row["ground_truth"]["solution"])
+            assert fits == [f"{solution}."]
+            for case in cases:
+                said = case.splitlines()[1:]
+                # A case checks statements in order up to the first that breaks it, or all of them.
+                assert all(line.endswith(", fits.") for line in said[:-1])
+                assert said[-1].endswith(", impossible.") or (
+                    said[-1] == "Every statement fits." and len(said) == num_people + 1
+                )
+
+
+def test_the_trace_checks_each_claim_against_the_case():
+    puzzle = kk.Puzzle(
+        names=("Zoey", "Oliver"),
+        statements=(["if", ["is", 0, "knight"], ["is", 1, "knave"]], ["not", ["is", 0, "knight"]]),
+        is_knight=(True, False),
+    )
+    assert kk.solutions(puzzle.statements) == [(True, False)]
+    assert kk.reasoning_trace(puzzle).splitlines() == [
+        "Case: Zoey knight, Oliver knight.",
+        "Zoey says If Zoey is a knight (yes) then Oliver is a knave (no): false, but Zoey is a knight, impossible.",
+        "Case: Zoey knight, Oliver knave.",
+        "Zoey says If Zoey is a knight (yes) then Oliver is a knave (yes): true, fits.",
+        "Oliver says Zoey is not a knight (no): false, fits.",
+        "Every statement fits.",
+        "Case: Zoey knave, Oliver knight.",
+        "Zoey says If Zoey is a knight (no) then Oliver is a knave (no): true, but Zoey is a knave, impossible.",
+        "Case: Zoey knave, Oliver knave.",
+        "Zoey says If Zoey is a knight (no) then Oliver is a knave (yes): true, but Zoey is a knave, impossible.",
+    ]
 
 
 def test_the_cpu_tokenizer_round_trips_rows_exactly_and_is_deterministic(tmp_path):

@@ -143,6 +143,17 @@ def test_metrics_sink_jsonl_roundtrip_and_truncate(tmp_path):
     assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3]
 
 
+def test_truncate_keeps_the_evaluation_before_training_on_resume_and_drops_it_on_a_fresh_start(tmp_path):
+    sink = MetricsSink(tmp_path, wandb_mode="disabled")
+    for step in (0, 1, 2, 3):  # step 0: trainer.eval_before_train's line
+        sink.log(step, {"eval/accuracy/mean": step / 10})
+    sink.truncate_after(2)  # resumed from step 2's checkpoint
+    assert [r["step"] for r in read_metrics(tmp_path)] == [0, 1, 2]
+    sink.truncate_after(0)  # a fresh start: every line is a dead run's
+    sink.close()
+    assert read_metrics(tmp_path) == []
+
+
 def test_metrics_sink_wandb_offline(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_SILENT", "true")
     sink = MetricsSink(tmp_path, wandb_mode="offline", run_name="t", config={"a": 1})

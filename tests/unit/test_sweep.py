@@ -15,9 +15,10 @@ from pathlib import Path
 
 import pytest
 import yaml
+from scipy import stats as scipy_stats
 
 from megatron_rl.cli import main
-from megatron_rl.cli.sweep import expected_methods, method_preset, plan_runs
+from megatron_rl.cli.sweep import expected_methods, method_preset, parse_method, plan_runs
 from megatron_rl.config.lib import ConfigError
 from megatron_rl.observability.comparison import RunLabel, Stat, aggregate, summarize_run, write_comparison
 
@@ -73,6 +74,24 @@ def test_plan_orders_preset_then_user_overrides_then_the_run(tmp_path):
     cfg = load_run_config(ROOT / "examples" / "tiny_cpu.yaml", overrides)
     assert cfg.algorithm.stapo.enabled and cfg.algorithm.eps_high == 0.3  # the user's override wins
     assert cfg.trainer.seed == 1235 and cfg.run_dir == tmp_path / "sweep" / "stapo" / "seed1235"
+
+
+def test_a_variant_adds_its_algorithm_fields_to_the_preset_under_its_own_label(tmp_path):
+    from megatron_rl.config.run import load_run_config
+
+    label = "tr_grpo:tr_grpo.placement=loss:eps_high=0.3"
+    assert parse_method(label) == ("tr_grpo", ["algorithm.tr_grpo.placement=loss", "algorithm.eps_high=0.3"])
+    out, runs, _ = plan_runs(_args(tmp_path, "algorithm.tr_grpo.tau=2.0", methods=f"tr_grpo,{label}", seeds=1))
+    assert [m for m, _, _ in runs] == ["tr_grpo", label]
+    plain, variant = (load_run_config(ROOT / "examples" / "tiny_cpu.yaml", o) for _, _, o in runs)
+    assert (plain.algorithm.tr_grpo.placement, variant.algorithm.tr_grpo.placement) == ("ratio", "loss")
+    assert variant.algorithm.eps_high == 0.3 and variant.algorithm.tr_grpo.tau == plain.algorithm.tr_grpo.tau == 2.0
+    assert variant.algorithm.tr_grpo.mu == plain.algorithm.tr_grpo.mu  # the rest of the preset
+    assert variant.run_dir == out / label / "seed1234"
+    for bad, match in (("tr_grpo:placement", "not FIELD=VALUE"), (":eps_high=0.3", "names no method"),
+                       ("tr_grpo:tr_grpo.placment=loss", "placment"), ("tr_grpo:tr_grpo.enabled=false", "tr_grpo")):  # fmt: skip
+        with pytest.raises(ConfigError, match=match):
+            plan_runs(_args(tmp_path, methods=bad, seeds=1))
 
 
 def test_an_override_that_disables_a_method_is_refused(tmp_path):
@@ -135,6 +154,48 @@ def test_summaries_and_standard_errors(tmp_path):
     payload = json.loads(paths[1].read_text())
     assert payload["methods"][0]["final_accuracy"]["values"] == [0.8, 1.0]
     assert paths[2].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _quartile_rows(acc: float, reward: float, q1_p: float, n=4):
+    rows = _rows({n: acc}, n=n)
+    for step, row in enumerate(rows, 1):
+        row["rollout/reward/mean"] = reward
+        for k in range(1, 5):  # q1's mean p as given, rising by quartile; the shares from step 2 on
+            row[f"tokens/quartile_q{k}/mean_p"] = q1_p * k + step / 100
+            row[f"tokens/quartile_q{k}/grad_share"] = 0.0 if step == 1 else 0.1 * k
+    return rows
+
+
+def test_the_start_of_rl_and_welchs_test_against_grpo(tmp_path):
+    grpo_acc, ar_acc = [0.30, 0.34, 0.29], [0.41, 0.45, 0.40]
+    labels = [
+        _write_run(tmp_path / "grpo" / f"seed{i}", _quartile_rows(a, 0.5 + i / 100, 0.2))
+        for i, a in enumerate(grpo_acc)
+    ]
+    labels += [
+        _write_run(tmp_path / "ar" / f"seed{i}", _quartile_rows(a, 0.5 + i / 10, 0.3)) for i, a in enumerate(ar_acc)
+    ]
+    runs = [summarize_run(lb) for lb in labels]
+    assert runs[0].start_quartile_mean_p == pytest.approx([0.21, 0.41, 0.61, 0.81])  # step 1
+    assert runs[0].start_quartile_grad_share == pytest.approx([0.1, 0.2, 0.3, 0.4])  # step 2: step 1 had none
+    grpo, ar = aggregate(runs)
+    assert ar.start_q1_mean_p.mean == pytest.approx(0.31) and ar.start_q1_grad_share.mean == pytest.approx(0.1)
+    # Welch's t from its definition: t = (mean_a - mean_b) / sqrt(va/na + vb/nb), Welch-Satterthwaite df.
+    va, vb = statistics.variance(ar_acc) / 3, statistics.variance(grpo_acc) / 3
+    t = (statistics.fmean(ar_acc) - statistics.fmean(grpo_acc)) / math.sqrt(va + vb)
+    df = (va + vb) ** 2 / (va**2 / 2 + vb**2 / 2)
+    assert (
+        ar.accuracy_p_value == pytest.approx(2 * scipy_stats.t.sf(abs(t), df), rel=1e-9) and ar.accuracy_p_value < 0.01
+    )
+    assert grpo.accuracy_p_value is None and grpo.reward_p_value is None  # the baseline itself
+    assert ar.reward_p_value is not None and ar.reward_p_value > 0.05  # 0.5, 0.6, 0.7 vs 0.5, 0.51, 0.52
+    md = write_comparison(tmp_path / "out", labels)[0].read_text()
+    assert (
+        f"| {ar.accuracy_p_value:.3f} / {ar.reward_p_value:.3f} |" in md and "| 0.310 ± 0.000 | 0.100 ± 0.000 |" in md
+    )
+    # No baseline among the methods, or one seed: no test.
+    assert aggregate(runs[3:])[0].accuracy_p_value is None
+    assert aggregate([runs[0], runs[3]])[1].accuracy_p_value is None
 
 
 # --------------------------------------------------------------------------- --launcher slurm
