@@ -279,33 +279,31 @@ def checked_statement(statement: Statement, names: Sequence[str], assignment: Se
 
 
 def reasoning_trace(puzzle: Puzzle) -> str:
-    """A worked solution by cases, in the solver's order: for each assignment of roles, each
-    person's statement with every claim checked against the case, its truth, and whether
-    the speaker's role allows it; a case stops at the first statement that breaks it, and
-    the consistent case ends ``Every statement fits.``. What a model learns to write in
-    ``<think>`` from SFT rows (``--sft-responses``).
+    """A worked solution by cases, in the solver's order, up to the consistent one: for each
+    assignment of roles, each person's statement (after the speaker's role in the case) with
+    every claim checked against the case, its truth, and whether the role allows it; a case
+    stops at the first statement that breaks it, and the consistent case ends ``Every
+    statement fits.`` (the solution is unique, so the cases after it are not tried). What a
+    model learns to write in ``<think>`` from SFT rows (``--sft-responses``).
 
-    Why claim by claim: each step looks up one fact stated earlier in the same case (a
-    name's role in the case line, or the speaker's statement in the prompt), which a model
-    of a few million parameters learns; a one-line verdict per case, which folds the
-    lookups of all the statements into one token, stayed near chance at that size."""
+    Why claim by claim: each step looks up one fact stated earlier (a name's role in the
+    case line, or the speaker's statement in the prompt), which a model of a few million
+    parameters learns; a one-line verdict per case, which folds the lookups of all the
+    statements into one token, stayed near chance at that size."""
     lines = []
     for assignment in itertools.product((True, False), repeat=puzzle.num_people):
-        roles = ", ".join(
-            f"{name} {ROLES[0] if knight else ROLES[1]}" for name, knight in zip(puzzle.names, assignment)
-        )
-        lines.append(f"Case: {roles}.")
-        for name, statement, knight in zip(puzzle.names, puzzle.statements, assignment):
+        role = [ROLES[0] if knight else ROLES[1] for knight in assignment]
+        lines.append(f"Case: {', '.join(f'{name} {r}' for name, r in zip(puzzle.names, role))}.")
+        for p, (name, statement) in enumerate(zip(puzzle.names, puzzle.statements)):
             truth = evaluate(statement, assignment)
-            said = (
-                f"{name} says {checked_statement(statement, puzzle.names, assignment)}: {'true' if truth else 'false'}"
-            )
-            if truth != knight:
-                lines.append(f"{said}, but {name} is a {ROLES[0] if knight else ROLES[1]}, impossible.")
+            verdict = "fits" if truth == assignment[p] else "impossible"
+            checked = checked_statement(statement, puzzle.names, assignment)
+            lines.append(f"{name} ({role[p]}) says {checked}: {'true' if truth else 'false'}, {verdict}.")
+            if verdict == "impossible":
                 break
-            lines.append(f"{said}, fits.")
         else:
             lines.append("Every statement fits.")
+            break
     return "\n".join(lines)
 
 

@@ -138,10 +138,11 @@ def test_sft_responses_are_worked_solutions_the_reward_scores_full(num_people):
             prompt = render_prompt(row["prompt"], template="literal", style=KK_STYLE)
             assert kk_logic(row["response"], row["ground_truth"], prompt=prompt).score == kk.MAX_SCORE
             cases = row["response"].split("</think>")[0].strip().split("Case: ")[1:]
-            assert len(cases) == 2**num_people  # one case per assignment, in the solver's order
+            # The assignments in the solver's order, up to the solution (the last case).
+            solution = tuple(s["role"] == "knight" for s in row["ground_truth"]["solution"])
+            assert len(cases) == list(itertools.product((True, False), repeat=num_people)).index(solution) + 1
             fits = [case.splitlines()[0] for case in cases if case.rstrip().endswith("Every statement fits.")]
-            solution = ", ".join(f"{s['name']} {s['role']}" for s in row["ground_truth"]["solution"])
-            assert fits == [f"{solution}."]
+            assert fits == [", ".join(f"{s['name']} {s['role']}" for s in row["ground_truth"]["solution"]) + "."]
             for case in cases:
                 said = case.splitlines()[1:]
                 # A case checks statements in order up to the first that breaks it, or all of them.
@@ -160,16 +161,12 @@ def test_the_trace_checks_each_claim_against_the_case():
     assert kk.solutions(puzzle.statements) == [(True, False)]
     assert kk.reasoning_trace(puzzle).splitlines() == [
         "Case: Zoey knight, Oliver knight.",
-        "Zoey says If Zoey is a knight (yes) then Oliver is a knave (no): false, but Zoey is a knight, impossible.",
+        "Zoey (knight) says If Zoey is a knight (yes) then Oliver is a knave (no): false, impossible.",
         "Case: Zoey knight, Oliver knave.",
-        "Zoey says If Zoey is a knight (yes) then Oliver is a knave (yes): true, fits.",
-        "Oliver says Zoey is not a knight (no): false, fits.",
+        "Zoey (knight) says If Zoey is a knight (yes) then Oliver is a knave (yes): true, fits.",
+        "Oliver (knave) says Zoey is not a knight (no): false, fits.",
         "Every statement fits.",
-        "Case: Zoey knave, Oliver knight.",
-        "Zoey says If Zoey is a knight (no) then Oliver is a knave (no): true, but Zoey is a knave, impossible.",
-        "Case: Zoey knave, Oliver knave.",
-        "Zoey says If Zoey is a knight (no) then Oliver is a knave (yes): true, but Zoey is a knave, impossible.",
-    ]
+    ]  # the solution is unique: the cases after it are not tried
 
 
 def test_the_cpu_tokenizer_round_trips_rows_exactly_and_is_deterministic(tmp_path):

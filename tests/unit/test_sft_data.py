@@ -120,8 +120,8 @@ def test_the_kk_cpu_examples_load_and_rl_starts_from_the_sft_runs_last_checkpoin
     assert sft.trainer.save_final or sft.trainer.num_steps % sft.trainer.save_every_steps == 0
     assert rl.data.train_files == sft.data.train_files and rl.data.task == sft.data.task == "kk_logic"
     assert rl.data.prompt_template == sft.data.prompt_template == "literal"
-    # Every row fits both runs: the longest trace (3 people) is 599 tokens after a 224-token prompt.
+    # Every row fits both runs: the longest trace (3 people) is 631 tokens after a 224-token prompt.
     positions = sft.model.tiny.max_position_embeddings
-    assert 224 + 599 <= sft.data.max_sequence_tokens <= positions
-    assert rl.rollout.max_prompt_tokens >= 224 and rl.rollout.max_new_tokens >= 599
+    assert 224 + 631 <= sft.data.max_sequence_tokens <= positions
+    assert rl.rollout.max_prompt_tokens >= 224 and rl.rollout.max_new_tokens >= 631
     assert rl.rollout.max_prompt_tokens + rl.rollout.max_new_tokens <= positions
