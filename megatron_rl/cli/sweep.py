@@ -64,7 +64,8 @@ from megatron_rl.cli import EXIT_FAILURE, EXIT_OK, EXIT_USAGE
 from megatron_rl.config.lib import ConfigError
 
 BASELINE = "grpo"
-"""The method with no token-weight method; its paper config is the presets' reference."""
+"""The method with no token-weight method; its paper config is the presets' reference, and
+the comparison tests every other method against it."""
 
 PAPER_CONFIG_SUFFIX = "_3b.yaml"
 """Presets are read from ``<methods-dir>/<method>_3b.yaml``."""
@@ -280,7 +281,8 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_FAILURE
     header = "Runs: `megatron-rl sweep " + " ".join([args.config, *args.overrides]) + f" --methods {args.methods} "
     header += f"--seeds {args.seeds}`" + (f"\n\nFailed: {'; '.join(failed)}" if failed else "")
-    paths = write_comparison(out, done, threshold_key=args.threshold_key, threshold=args.threshold, header=header)
+    paths = write_comparison(out, done, threshold_key=args.threshold_key, threshold=args.threshold, header=header,
+                             baseline=BASELINE)  # fmt: skip
     print((out / "comparison.md").read_text(encoding="utf-8"))
     for p in paths:
         print(f"wrote {p}", file=sys.stderr)

@@ -21,10 +21,10 @@ Input: run directories (each with a ``metrics.jsonl``), labelled by method and s
 Per method (:func:`aggregate`): the mean over seeds and its standard error
 ``s / sqrt(n)`` (``s`` the sample standard deviation, ``n - 1`` degrees of freedom;
 ``None`` for one seed). ``steps_to_threshold`` is averaged over the seeds that reached
-the threshold, and how many did is reported beside it. Each method's final accuracy and
-final reward are tested against the baseline method's (``grpo`` by default) with Welch's
-two-sided t-test over seeds (unequal variances; ``None`` with fewer than two seeds on
-either side or no variance on both).
+the threshold, and how many did is reported beside it. Given a baseline method (the
+sweep's ``grpo``), each other method's final accuracy and final reward are tested against
+the baseline's with Welch's two-sided t-test over seeds (unequal variances; ``None`` with
+fewer than two seeds on either side or no variance on both).
 """
 
 from __future__ import annotations
@@ -47,8 +47,6 @@ ACCURACY_KEY = "eval/accuracy/mean"
 REWARD_KEY = "rollout/reward/mean"
 ENTROPY_KEY = "loss/entropy"
 LOW_SHARE_KEY = f"{QUARTILE_GROUPS[0].prefix}/grad_share"
-BASELINE_METHOD = "grpo"
-"""The method the others are tested against."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -204,9 +202,10 @@ def _q1(quartiles: list[float] | None) -> float | None:
     return quartiles[0] if quartiles else None
 
 
-def aggregate(summaries: Sequence[RunSummary], *, baseline: str = BASELINE_METHOD) -> list[MethodSummary]:
+def aggregate(summaries: Sequence[RunSummary], *, baseline: str | None = None) -> list[MethodSummary]:
     """One :class:`MethodSummary` per method, in order of first appearance; p-values against
-    ``baseline`` where it is among the methods (``None`` for the baseline itself)."""
+    ``baseline`` where it is among the methods (``None`` for the baseline itself, and for
+    every method without a baseline)."""
     methods = list(dict.fromkeys(s.method for s in summaries))
     base = [s for s in summaries if s.method == baseline]
     base_acc = Stat.of([s.final_accuracy for s in base]).values
@@ -216,7 +215,7 @@ def aggregate(summaries: Sequence[RunSummary], *, baseline: str = BASELINE_METHO
         runs = [s for s in summaries if s.method == m]
         steps = [s.steps_to_threshold for s in runs]
         acc, reward = Stat.of([s.final_accuracy for s in runs]), Stat.of([s.final_reward for s in runs])
-        tested = base and m != baseline
+        tested = bool(base) and m != baseline
         out.append(
             MethodSummary(
                 method=m,
@@ -241,13 +240,17 @@ def _p_text(p: float | None) -> str:
     return "-" if p is None else f"{p:.3f}"
 
 
-def comparison_markdown(methods: Sequence[MethodSummary], *, threshold_key: str, threshold: float) -> str:
-    """The comparison table as Markdown (means ± standard errors over seeds)."""
+def comparison_markdown(
+    methods: Sequence[MethodSummary], *, threshold_key: str, threshold: float, baseline: str | None = None
+) -> str:
+    """The comparison table as Markdown (means ± standard errors over seeds; the p-values
+    against ``baseline``, as :func:`aggregate` computed them, when one is given)."""
+    p_header = f"| p vs {baseline} (accuracy / reward) " if baseline else ""
     lines = [
-        f"| method | seeds | final accuracy | steps to {threshold_key} >= {threshold:g} (reached) "
-        f"| p vs {BASELINE_METHOD} (accuracy / reward) | final reward | final entropy | q1 gradient share "
-        "| q1 mean p at start | q1 gradient share at start | wall s/run |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        f"| method | seeds | final accuracy | steps to {threshold_key} >= {threshold:g} (reached) {p_header}"
+        "| final reward | final entropy | q1 gradient share | q1 mean p at start | q1 gradient share at start "
+        "| wall s/run |",
+        "|---|---|---|---|" + ("---|" if baseline else "") + "---|---|---|---|---|---|",
     ]
     for m in methods:
         steps = m.steps_to_threshold
@@ -258,8 +261,8 @@ def comparison_markdown(methods: Sequence[MethodSummary], *, threshold_key: str,
         )
         lines.append(
             f"| {m.method} | {len(m.seeds)} | {m.final_accuracy.text()} | {steps_text} ({m.num_reached}/{len(m.seeds)}) "
-            f"| {_p_text(m.accuracy_p_value)} / {_p_text(m.reward_p_value)} "
-            f"| {m.final_reward.text()} | {m.final_entropy.text()} | {m.low_quartile_grad_share.text()} "
+            + (f"| {_p_text(m.accuracy_p_value)} / {_p_text(m.reward_p_value)} " if baseline else "")
+            + f"| {m.final_reward.text()} | {m.final_entropy.text()} | {m.low_quartile_grad_share.text()} "
             f"| {m.start_q1_mean_p.text()} | {m.start_q1_grad_share.text()} | {m.wall_s.text(0)} |"
         )
     return "\n".join(lines) + "\n"
@@ -273,25 +276,32 @@ def write_comparison(
     threshold: float = 0.9,
     tail_fraction: float = 0.1,
     header: str = "",
+    baseline: str | None = None,
 ) -> list[Path]:
     """Write ``comparison.md``, ``comparison.json`` and ``comparison.png`` to ``out_dir``.
 
-    ``header`` (Markdown) goes above the table (e.g. the command that produced the runs).
+    ``header`` (Markdown) goes above the table (e.g. the command that produced the runs);
+    ``baseline``: the method the others are tested against (:func:`aggregate`).
     Returns the paths written.
     """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     runs = [summarize_run(lb, threshold_key=threshold_key, threshold=threshold, tail_fraction=tail_fraction)
             for lb in labels]  # fmt: skip
-    methods = aggregate(runs)
-    table = comparison_markdown(methods, threshold_key=threshold_key, threshold=threshold)
+    methods = aggregate(runs, baseline=baseline)
+    table = comparison_markdown(methods, threshold_key=threshold_key, threshold=threshold, baseline=baseline)
     notes = (
         f"Means ± standard errors over seeds. Final accuracy: the last `{ACCURACY_KEY}`; final reward and "
         f"entropy: means over the last {tail_fraction:.0%} of steps; q1 gradient share: the lowest-p_old "
         "quartile's share of the logit-gradient norm, averaged over the steps with a gradient; steps to the "
         "threshold: over the seeds that reached it. q1 at start: the lowest-p_old quartile's mean p at the first "
-        f"step and its gradient share at the first step with a gradient. p vs {BASELINE_METHOD}: Welch's two-sided "
-        "t-test over seeds of final accuracy and final reward.\n"
+        "step and its gradient share at the first step with a gradient."
+        + (
+            f" p vs {baseline}: Welch's two-sided t-test over seeds of final accuracy and final reward."
+            if baseline
+            else ""
+        )
+        + "\n"
     )
     md = out_dir / "comparison.md"
     md.write_text((header.rstrip() + "\n\n" if header else "") + table + "\n" + notes, encoding="utf-8")

@@ -144,7 +144,7 @@ class Puzzle:
 
     def solution(self) -> list[dict[str, str]]:
         """``[{"name": ..., "role": "knight" | "knave"}, ...]`` in introduction order."""
-        return [{"name": n, "role": ROLES[0] if k else ROLES[1]} for n, k in zip(self.names, self.is_knight)]
+        return [{"name": n, "role": role_name(k)} for n, k in zip(self.names, self.is_knight)]
 
     def solution_text(self) -> str:
         """The answer in the prompt's format: ``(1) Zoey is a knight`` lines (Logic-RL's ``solution_text_format``)."""
@@ -230,19 +230,28 @@ def random_puzzle(rng: random.Random, num_people: int, *, max_attempts: int = 10
 # --------------------------------------------------------------------------- text
 
 
-def _claim_text(claim: Statement, names: Sequence[str]) -> str:
+def role_name(knight: bool) -> str:
+    """``knight`` or ``knave``."""
+    return ROLES[0] if knight else ROLES[1]
+
+
+def _claim_text(claim: Statement, names: Sequence[str], assignment: Sequence[bool] | None) -> str:
     if claim[0] == "not":
         inner = claim[1]
-        return f"{names[inner[1]]} is not a {inner[2]}"
-    return f"{names[claim[1]]} is a {claim[2]}"
+        text = f"{names[inner[1]]} is not a {inner[2]}"
+    else:
+        text = f"{names[claim[1]]} is a {claim[2]}"
+    return text if assignment is None else f"{text} ({'yes' if evaluate(claim, assignment) else 'no'})"
 
 
-def statement_text(statement: Statement, names: Sequence[str]) -> str:
-    """English for a statement, e.g. ``If Zoey is a knight then Oliver is a knave``."""
+def statement_text(statement: Statement, names: Sequence[str], assignment: Sequence[bool] | None = None) -> str:
+    """English for a statement, e.g. ``If Zoey is a knight then Oliver is a knave``; with an
+    ``assignment``, each claim followed by its truth under it (the worked solutions'
+    ``If Zoey is a knight (yes) then Oliver is a knave (no)``)."""
     op = statement[0]
     if op in ("is", "not"):
-        return _claim_text(statement, names)
-    a, b = _claim_text(statement[1], names), _claim_text(statement[2], names)
+        return _claim_text(statement, names, assignment)
+    a, b = _claim_text(statement[1], names, assignment), _claim_text(statement[2], names, assignment)
     if op == "if":
         return f"If {a} then {b}"
     if op == "iff":
@@ -264,20 +273,6 @@ def render_question(names: Sequence[str], statements: Sequence[Statement]) -> st
     )
 
 
-def _checked_claim(claim: Statement, names: Sequence[str], assignment: Sequence[bool]) -> str:
-    return f"{_claim_text(claim, names)} ({'yes' if evaluate(claim, assignment) else 'no'})"
-
-
-def checked_statement(statement: Statement, names: Sequence[str], assignment: Sequence[bool]) -> str:
-    """:func:`statement_text` with each claim's truth under ``assignment`` after it, e.g.
-    ``If Zoey is a knight (yes) then Oliver is a knave (no)``."""
-    op = statement[0]
-    if op in ("is", "not"):
-        return _checked_claim(statement, names, assignment)
-    a, b = (_checked_claim(c, names, assignment) for c in statement[1:])
-    return {"if": f"If {a} then {b}", "iff": f"{a} if and only if {b}"}.get(op, f"{a} {op} {b}")
-
-
 def reasoning_trace(puzzle: Puzzle) -> str:
     """A worked solution by cases, in the solver's order, up to the consistent one: for each
     assignment of roles, each person's statement (after the speaker's role in the case) with
@@ -292,12 +287,12 @@ def reasoning_trace(puzzle: Puzzle) -> str:
     statements into one token, stayed near chance at that size."""
     lines = []
     for assignment in itertools.product((True, False), repeat=puzzle.num_people):
-        role = [ROLES[0] if knight else ROLES[1] for knight in assignment]
+        role = [role_name(knight) for knight in assignment]
         lines.append(f"Case: {', '.join(f'{name} {r}' for name, r in zip(puzzle.names, role))}.")
         for p, (name, statement) in enumerate(zip(puzzle.names, puzzle.statements)):
             truth = evaluate(statement, assignment)
             verdict = "fits" if truth == assignment[p] else "impossible"
-            checked = checked_statement(statement, puzzle.names, assignment)
+            checked = statement_text(statement, puzzle.names, assignment)
             lines.append(f"{name} ({role[p]}) says {checked}: {'true' if truth else 'false'}, {verdict}.")
             if verdict == "impossible":
                 break

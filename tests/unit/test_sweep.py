@@ -178,7 +178,7 @@ def test_the_start_of_rl_and_welchs_test_against_grpo(tmp_path):
     runs = [summarize_run(lb) for lb in labels]
     assert runs[0].start_quartile_mean_p == pytest.approx([0.21, 0.41, 0.61, 0.81])  # step 1
     assert runs[0].start_quartile_grad_share == pytest.approx([0.1, 0.2, 0.3, 0.4])  # step 2: step 1 had none
-    grpo, ar = aggregate(runs)
+    grpo, ar = aggregate(runs, baseline="grpo")
     assert ar.start_q1_mean_p.mean == pytest.approx(0.31) and ar.start_q1_grad_share.mean == pytest.approx(0.1)
     # Welch's t from its definition: t = (mean_a - mean_b) / sqrt(va/na + vb/nb), Welch-Satterthwaite df.
     va, vb = statistics.variance(ar_acc) / 3, statistics.variance(grpo_acc) / 3
@@ -189,13 +189,17 @@ def test_the_start_of_rl_and_welchs_test_against_grpo(tmp_path):
     )
     assert grpo.accuracy_p_value is None and grpo.reward_p_value is None  # the baseline itself
     assert ar.reward_p_value is not None and ar.reward_p_value > 0.05  # 0.5, 0.6, 0.7 vs 0.5, 0.51, 0.52
-    md = write_comparison(tmp_path / "out", labels)[0].read_text()
+    md = write_comparison(tmp_path / "out", labels, baseline="grpo")[0].read_text()
     assert (
         f"| {ar.accuracy_p_value:.3f} / {ar.reward_p_value:.3f} |" in md and "| 0.310 ± 0.000 | 0.100 ± 0.000 |" in md
     )
     # No baseline among the methods, or one seed: no test.
-    assert aggregate(runs[3:])[0].accuracy_p_value is None
-    assert aggregate([runs[0], runs[3]])[1].accuracy_p_value is None
+    assert aggregate(runs[3:], baseline="grpo")[0].accuracy_p_value is None
+    assert aggregate([runs[0], runs[3]], baseline="grpo")[1].accuracy_p_value is None
+    assert (
+        aggregate(runs)[1].accuracy_p_value is None
+        and "p vs" not in write_comparison(tmp_path / "x", labels)[0].read_text()
+    )
 
 
 # --------------------------------------------------------------------------- --launcher slurm
