@@ -1,6 +1,7 @@
 """tools/cpu_by_process.py counts a child's CPU seconds under its kind."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -30,7 +31,10 @@ def test_a_spawned_child_is_named_by_its_parent(tmp_path):
     parent = ("import multiprocessing as mp, time\n"
               "def busy():\n    t = time.process_time()\n    while time.process_time() - t < 1.5: pass\n"
               "if __name__ == '__main__':\n    p = mp.get_context('spawn').Process(target=busy); p.start(); p.join()")  # fmt: skip
-    script = tmp_path / "parent.py"
+    # The tool samples the whole machine: a name of its own keeps the children of other tests'
+    # processes (a pytest worker's, under xdist) out of this kind.
+    script = tmp_path / "benchmarks" / f"spawn_probe_{os.getpid()}.py"
+    script.parent.mkdir()
     script.write_text(parent)
     cmd = [sys.executable, str(ROOT / "tools" / "cpu_by_process.py"), "--interval-s", "0.2", "--out", str(out),
            "--", sys.executable, str(script)]  # fmt: skip
