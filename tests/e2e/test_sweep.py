@@ -1,4 +1,4 @@
-"""``megatron-rl sweep`` end to end on the CPU demo: 2 methods x 2 seeds x 6 steps, each
+"""``megatron-rl sweep`` end to end on the CPU demo: 2 methods x 2 seeds x 2 steps, each
 run a real ``megatron-rl train`` process, then the comparison table, JSON and plot."""
 
 import json
@@ -8,12 +8,12 @@ from megatron_rl.observability import read_metrics
 from tests.e2e.conftest import EXAMPLE, ROOT, tiny_overrides
 from tests.helpers.jobs import run_job
 
-NUM_STEPS = 6
+NUM_STEPS = 2
 
 
 def test_sweep_two_methods_two_seeds(tmp_path):
     out = tmp_path / "sweep"
-    overrides = tiny_overrides(tmp_path / "unused", f"trainer.num_steps={NUM_STEPS}", "trainer.eval_every_steps=3",
+    overrides = tiny_overrides(tmp_path / "unused", f"trainer.num_steps={NUM_STEPS}", "trainer.eval_every_steps=2",
                                "trainer.eval_before_train=true", "trainer.save_every_steps=0")  # fmt: skip
     cmd = [sys.executable, "-m", "megatron_rl", "sweep", str(EXAMPLE), *overrides,
            "--methods", "grpo,ar", "--seeds", "2", "--out", str(out), "--threshold", "0.0"]  # fmt: skip
