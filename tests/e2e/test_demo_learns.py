@@ -47,8 +47,8 @@ def test_tiny_demo_reward_rises_beyond_noise(seed, mode, tmp_path, ray_session):
     noise = (statistics.variance(first) / WINDOW + statistics.variance(last) / WINDOW) ** 0.5
     assert rise > max(MIN_RISE, 5 * noise), f"{mode} seed {seed}: rise {rise:.3f}, noise {noise:.3f}, rewards {rewards[::25]}"
     # ... while the policy stays exploratory: the entropy is logged every step and, with the
-    # demo's settings, is still ~2.5 nats at step 120 (~2.1 at step 200; settings that
-    # collapse it, such as lr 1e-3, are at 1.4 or below by then).
+    # demo's settings, is still ~2.5 nats at step 120 (~2.1 at step 200, where settings that
+    # collapse it, such as lr 1e-3, were at 1.4 or below).
     entropy = [r["loss/entropy"] for r in records]
     assert all(e is not None and e > 0 for e in entropy)
     assert statistics.mean(entropy[-WINDOW:]) > 1.6, f"{mode} seed {seed}: entropy {entropy[::25]}"
