@@ -245,13 +245,13 @@ def comparison_markdown(
 ) -> str:
     """The comparison table as Markdown (means ± standard errors over seeds; the p-values
     against ``baseline``, as :func:`aggregate` computed them, when one is given)."""
-    p_header = f"| p vs {baseline} (accuracy / reward) " if baseline else ""
-    lines = [
-        f"| method | seeds | final accuracy | steps to {threshold_key} >= {threshold:g} (reached) {p_header}"
-        "| final reward | final entropy | q1 gradient share | q1 mean p at start | q1 gradient share at start "
-        "| wall s/run |",
-        "|---|---|---|---|" + ("---|" if baseline else "") + "---|---|---|---|---|---|",
-    ]
+    header = ["method", "seeds", "final accuracy", f"steps to {threshold_key} >= {threshold:g} (reached)",
+              "final reward", "final entropy", "q1 gradient share", "q1 mean p at start",
+              "q1 gradient share at start", "wall s/run"]  # fmt: skip
+    p_column = 4  # after the steps to the threshold
+    if baseline:
+        header.insert(p_column, f"p vs {baseline} (accuracy / reward)")
+    rows = [header]
     for m in methods:
         steps = m.steps_to_threshold
         steps_text = (
@@ -259,12 +259,14 @@ def comparison_markdown(
             if steps.mean is not None
             else "-"
         )
-        lines.append(
-            f"| {m.method} | {len(m.seeds)} | {m.final_accuracy.text()} | {steps_text} ({m.num_reached}/{len(m.seeds)}) "
-            + (f"| {_p_text(m.accuracy_p_value)} / {_p_text(m.reward_p_value)} " if baseline else "")
-            + f"| {m.final_reward.text()} | {m.final_entropy.text()} | {m.low_quartile_grad_share.text()} "
-            f"| {m.start_q1_mean_p.text()} | {m.start_q1_grad_share.text()} | {m.wall_s.text(0)} |"
-        )
+        row = [m.method, str(len(m.seeds)), m.final_accuracy.text(), f"{steps_text} ({m.num_reached}/{len(m.seeds)})",
+               m.final_reward.text(), m.final_entropy.text(), m.low_quartile_grad_share.text(),
+               m.start_q1_mean_p.text(), m.start_q1_grad_share.text(), m.wall_s.text(0)]  # fmt: skip
+        if baseline:
+            row.insert(p_column, f"{_p_text(m.accuracy_p_value)} / {_p_text(m.reward_p_value)}")
+        rows.append(row)
+    lines = ["| " + " | ".join(cells) + " |" for cells in rows]
+    lines.insert(1, "|" + "---|" * len(header))
     return "\n".join(lines) + "\n"
 
 

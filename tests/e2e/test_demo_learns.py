@@ -18,6 +18,14 @@ MIN_RISE = 0.04
 """The smallest rise of the window means that counts, whatever the noise."""
 
 
+def rise_and_noise(rewards: list[float]) -> tuple[float, float]:
+    """The mean reward of the last ``WINDOW`` steps minus that of the first ``WINDOW``, and the
+    standard error of that difference (the two windows' variances over their sizes)."""
+    first, last = rewards[:WINDOW], rewards[-WINDOW:]
+    noise = (statistics.variance(first) / WINDOW + statistics.variance(last) / WINDOW) ** 0.5
+    return statistics.mean(last) - statistics.mean(first), noise
+
+
 # One-step-off rollout (generation ahead of the update, decoupled PPO with TIS) must learn
 # as the synchronous loop does, by the same criterion.
 MODES = {
@@ -41,10 +49,7 @@ def test_tiny_demo_reward_rises_beyond_noise(seed, mode, tmp_path, ray_session):
     records = train_in_process(cfg)
     rewards = [r["rollout/reward/mean"] for r in records]
     assert len(rewards) == NUM_STEPS
-    first, last = rewards[:WINDOW], rewards[-WINDOW:]
-    rise = statistics.mean(last) - statistics.mean(first)
-    # standard error of the difference of two window means
-    noise = (statistics.variance(first) / WINDOW + statistics.variance(last) / WINDOW) ** 0.5
+    rise, noise = rise_and_noise(rewards)
     assert rise > max(MIN_RISE, 5 * noise), f"{mode} seed {seed}: rise {rise:.3f}, noise {noise:.3f}, rewards {rewards[::25]}"
     # ... while the policy stays exploratory: the entropy is logged every step and, with the
     # demo's settings, is still ~2.5 nats at step 120 (~2.1 at step 200, where settings that
@@ -66,7 +71,5 @@ def test_lora_over_a_warmed_up_base_raises_the_reward_beyond_noise(tiny_run, tmp
         example=LORA_EXAMPLE,
     )  # fmt: skip
     rewards = [r["rollout/reward/mean"] for r in train_in_process(cfg)]
-    first, last = rewards[:WINDOW], rewards[-WINDOW:]
-    rise = statistics.mean(last) - statistics.mean(first)
-    noise = (statistics.variance(first) / WINDOW + statistics.variance(last) / WINDOW) ** 0.5
+    rise, noise = rise_and_noise(rewards)
     assert rise > max(MIN_RISE, 5 * noise), f"rise {rise:.3f}, noise {noise:.3f}, rewards {rewards[::25]}"

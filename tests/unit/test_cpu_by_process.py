@@ -31,8 +31,9 @@ def test_a_spawned_child_is_named_by_its_parent(tmp_path):
     parent = ("import multiprocessing as mp, time\n"
               "def busy():\n    t = time.process_time()\n    while time.process_time() - t < 1.5: pass\n"
               "if __name__ == '__main__':\n    p = mp.get_context('spawn').Process(target=busy); p.start(); p.join()")  # fmt: skip
-    # The tool samples the whole machine: a name of its own keeps the children of other tests'
-    # processes (a pytest worker's, under xdist) out of this kind.
+    # The tool samples the whole machine, so the parent needs a kind no other process has: under
+    # tmp_path (/tmp/pytest-of-...) a script's kind is `pytest`, shared with the xdist workers and
+    # their own spawned children; `benchmarks/<name>.py` makes it `benchmark: <name>`.
     script = tmp_path / "benchmarks" / f"spawn_probe_{os.getpid()}.py"
     script.parent.mkdir()
     script.write_text(parent)
