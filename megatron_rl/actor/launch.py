@@ -73,6 +73,17 @@ class ProcessGroups:
     """This rank's index in ``ep``: it holds experts ``ep_rank * E / ep_size`` onwards."""
     ep_size: int
     """Expert-parallel size."""
+    etp: dist.ProcessGroup
+    """Expert tensor-parallel group: the ranks over which each expert's weights are split
+    (``parallel.expert_tensor_parallel_size``; the TP ranks when it is unset)."""
+    etp_rank: int
+    """This rank's index in ``etp`` (which slice of its experts' width it holds)."""
+    etp_size: int
+    """Expert tensor-parallel size."""
+    edp_rank: int
+    """Expert data-parallel replica index: ranks with the same EP and expert TP coordinates
+    hold the same expert shards (``world / (ETP * EP * PP)`` replicas). Equals ``dp_rank``
+    when ETP = TP and EP = 1."""
 
     @property
     def is_first_stage(self) -> bool:
@@ -178,6 +189,10 @@ def initialize_parallel(
         ep=ps.get_expert_model_parallel_group(),
         ep_rank=ps.get_expert_model_parallel_rank(),
         ep_size=ps.get_expert_model_parallel_world_size(),
+        etp=ps.get_expert_tensor_parallel_group(),
+        etp_rank=ps.get_expert_tensor_parallel_rank(),
+        etp_size=ps.get_expert_tensor_parallel_world_size(),
+        edp_rank=ps.get_expert_data_parallel_rank(),
     )
     set_seed(seed, pp_rank=groups.pp_rank)
     return groups
@@ -211,8 +226,8 @@ _GROUPS_BEFORE: list[dist.ProcessGroup] = []
 """The process groups that existed before :func:`initialize_parallel` set the current
 layout up: every later one (megatron's, and those its distributed optimizer and
 checkpointing create for the layout) is destroyed by :func:`destroy_parallel`."""
-_LAYOUT: list[tuple[int, int, int]] = []
-"""``(TP, PP, world)`` of the parallel state :func:`initialize_parallel` set up, if any."""
+_LAYOUT: list[tuple[int, int, int, int | None, int]] = []
+"""``(TP, PP, EP, ETP, world)`` of the parallel state :func:`initialize_parallel` set up, if any."""
 
 
 def _live_groups() -> list[dist.ProcessGroup]:

@@ -125,10 +125,11 @@ class PolicyModel:
         self.adapter = adapter_for_config(self.hf_config)
         tp, pp = spec.parallel.tensor_model_parallel_size, spec.parallel.pipeline_model_parallel_size
         self.groups = groups or initialize_parallel_from(spec.parallel, seed=spec.trainer.seed)
-        ep = spec.parallel.expert_model_parallel_size
-        if (self.groups.tp_size, self.groups.pp_size, self.groups.ep_size) != (tp, pp, ep):
-            raise ValueError(f"groups are TP={self.groups.tp_size} PP={self.groups.pp_size} EP={self.groups.ep_size}; "
-                             f"spec says TP={tp} PP={pp} EP={ep}")  # fmt: skip
+        ep, etp = spec.parallel.expert_model_parallel_size, spec.parallel.resolved_expert_tensor_parallel_size
+        g = self.groups
+        if (g.tp_size, g.pp_size, g.ep_size, g.etp_size) != (tp, pp, ep, etp):
+            raise ValueError(f"groups are TP={g.tp_size} PP={g.pp_size} EP={g.ep_size} ETP={g.etp_size}; "
+                             f"spec says TP={tp} PP={pp} EP={ep} ETP={etp}")  # fmt: skip
         self.vocab_size = int(self.hf_config["vocab_size"])
         self.padded_vocab_size = padded_vocab_size(
             self.vocab_size, tp_size=tp, divisible_by=spec.model.make_vocab_size_divisible_by
@@ -192,9 +193,10 @@ class PolicyModel:
         lengths = batch.lengths.tolist()
         pack = resolve_packing(self.spec.trainer.pack_sequences, lengths, budget, self.pad_multiple, use_te=self.use_te)
         microbatches = make_microbatches(batch, budget, device=device(), pad_to_multiple_of=self.pad_multiple, pack=pack)
-        if self.groups.ep_size > 1:
-            # Each MoE layer's all-to-all spans DP ranks, so they must run as many forwards:
-            # the ranks with fewer micro-batches run fillers that train on nothing.
+        if self.groups.ep_size * self.groups.etp_size > self.groups.tp_size:
+            # Each MoE layer's all-to-all (over the expert TP x EP ranks) then spans DP ranks,
+            # so they must run as many forwards: the ranks with fewer micro-batches run
+            # fillers that train on nothing.
             count = torch.tensor([len(microbatches)], dtype=torch.int64, device=device())
             dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.groups.dp)
             microbatches += [filler_microbatch(microbatches[0], self.pad_multiple)

@@ -156,22 +156,23 @@ def gather_tp_shards(
 
 
 def gather_tp_shards_to_first(
-    name: str, param: torch.Tensor, *, groups: ProcessGroups, gated_linear_unit: bool
+    name: str, param: torch.Tensor, *, tp_group: dist.ProcessGroup, tp_rank: int, tp_size: int, gated_linear_unit: bool
 ) -> torch.Tensor | None:
-    """The full tensor of a (possibly) tensor-parallel parameter on TP rank 0 of
-    ``groups.tp`` (a copy), ``None`` on the other TP ranks.
+    """The full tensor of a (possibly) tensor-parallel parameter on rank 0 of ``tp_group``
+    (a copy), ``None`` on its other ranks. ``tp_group`` is the TP group, or the expert TP
+    group for an expert's weights.
 
-    Collective on ``groups.tp`` (a gather to TP rank 0) when the parameter is TP-split:
+    Collective on ``tp_group`` (a gather to its rank 0) when the parameter is TP-split:
     unlike :func:`gather_tp_shards`, only the receiving rank allocates the full tensor."""
     tensor = param.detach()
-    if groups.tp_size == 1 or not getattr(param, "tensor_model_parallel", False):
-        return tensor.clone() if groups.tp_rank == 0 else None
-    first = dist.get_global_rank(groups.tp, 0)
-    if groups.tp_rank != 0:
-        dist.gather(tensor.contiguous(), None, dst=first, group=groups.tp)
+    if tp_size == 1 or not getattr(param, "tensor_model_parallel", False):
+        return tensor.clone() if tp_rank == 0 else None
+    first = dist.get_global_rank(tp_group, 0)
+    if tp_rank != 0:
+        dist.gather(tensor.contiguous(), None, dst=first, group=tp_group)
         return None
-    shards = [torch.empty_like(tensor) for _ in range(groups.tp_size)]
-    dist.gather(tensor.contiguous(), shards, dst=first, group=groups.tp)
+    shards = [torch.empty_like(tensor) for _ in range(tp_size)]
+    dist.gather(tensor.contiguous(), shards, dst=first, group=tp_group)
     return concat_tp_shards(name, shards, dim=int(param.partition_dim), gated_linear_unit=gated_linear_unit)
 
 
@@ -225,11 +226,11 @@ def iter_hf_weight_buckets(
     that sends a weight sync) receives full tensors: the owning stage's TP ranks gather to
     their TP rank 0, which sends the unit to stage 0 point to point; every other rank
     yields nothing, and the ranks of other DP replicas take part in nothing (they hold
-    the same weights), except, at expert parallelism > 1, those of replica 0's
-    expert-parallel group, which send the experts they hold to rank 0 the same way. A
+    the same weights), except those of expert-data-parallel replica 0, which gather the
+    experts they hold over the expert TP group and send them to rank 0 the same way. A
     sync then costs one unit's full tensor on the sending rank and nothing beyond its
-    shards elsewhere. Without ``to_first_rank``, an expert held by another expert-parallel
-    rank is broadcast over ``groups.ep`` from the rank that holds it.
+    shards elsewhere. Without ``to_first_rank``, an expert's shards are all-gathered over
+    ``groups.etp`` and the expert broadcast over ``groups.ep`` from the rank that holds it.
 
     A LoRA model's adapted weights are sent merged (``W + (alpha/r) B A``), or, without
     ``merge_adapters``, as the frozen base ``W`` (``rollout.lora_sync: adapter``: the engines
@@ -237,11 +238,10 @@ def iter_hf_weight_buckets(
     """
     if bucket_bytes < 1:
         raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
-    # At expert parallelism > 1 a layer's experts live on ranks of several DP replicas: the
-    # expert-parallel group of DP replica 0 (the "first copy") sends them; its ranks in
-    # other replicas take part in expert units only.
-    first_copy = groups.ep_size > 1 and _in_first_expert_copy(groups)
-    if to_first_rank and groups.dp_rank != 0 and not first_copy:
+    # Experts are laid out over their own groups (expert TP, EP, expert DP), which at EP > 1
+    # or expert TP != TP cut across the dense DP replicas: expert-DP replica 0 sends them, and
+    # its ranks in other dense replicas take part in expert units only.
+    if to_first_rank and groups.dp_rank != 0 and groups.edp_rank != 0:
         return
     local = global_parameters(model, adapter, merge_adapters=merge_adapters)
     owners = _ownership(local, groups)
@@ -250,8 +250,8 @@ def iter_hf_weight_buckets(
     size = 0
     device = next(iter(local.values())).device
     for unit in units:
-        split = unit.expert is not None and groups.ep_size > 1
-        # An expert held by another expert-parallel rank: the stage of its layer's router owns it.
+        split = unit.expert is not None
+        # An expert may be held by another expert-parallel rank: the stage of its layer's router owns it.
         key = f"{_LAYER_PREFIX}{unit.layer}.mlp.router.weight" if split else unit.mcore_name
         if key not in owners:
             raise KeyError(f"no pipeline stage holds '{unit.mcore_name}' (model and HF config disagree?)")
@@ -272,13 +272,8 @@ def iter_hf_weight_buckets(
                 continue
         else:
             if stage == groups.pp_rank:
-                full = gather_tp_shards(
-                    unit.mcore_name,
-                    local[unit.mcore_name],
-                    tp_group=groups.tp,
-                    tp_size=groups.tp_size,
-                    gated_linear_unit=gated_linear_unit,
-                )
+                full = gather_tp_shards(unit.mcore_name, local[unit.mcore_name], tp_group=groups.tp,
+                                        tp_size=groups.tp_size, gated_linear_unit=gated_linear_unit)  # fmt: skip
             else:
                 full = torch.empty(unit.mcore_shape, dtype=dtype, device=device)
             if groups.pp_size > 1:
@@ -301,18 +296,19 @@ def _expert_on_ep_group(
     unit: Any, local: Mapping[str, torch.Tensor], stage: int, dtype: torch.dtype, device: torch.device,
     groups: ProcessGroups, gated_linear_unit: bool,
 ) -> torch.Tensor:  # fmt: skip
-    """Expert ``unit.expert``'s full tensor on every rank of the owning stage's EP group:
-    the expert-parallel rank holding it (experts ``r * E / EP`` onwards on rank r) gathers
-    its TP shards, then broadcasts over ``groups.ep`` (expert TP = TP, the only layout here)."""
+    """Expert ``unit.expert``'s full tensor on every rank of the owning stage: the
+    expert-parallel rank holding it (experts ``r * E / EP`` onwards on rank r) all-gathers
+    its shards over the expert TP group, then broadcasts it over ``groups.ep``."""
     owner = _expert_owner(unit, groups)
     if stage != groups.pp_rank:
         return torch.empty(unit.mcore_shape, dtype=dtype, device=device)
     if groups.ep_rank == owner:
-        full = gather_tp_shards(unit.mcore_name, local[unit.mcore_name], tp_group=groups.tp, tp_size=groups.tp_size,
+        full = gather_tp_shards(unit.mcore_name, local[unit.mcore_name], tp_group=groups.etp, tp_size=groups.etp_size,
                                 gated_linear_unit=gated_linear_unit)  # fmt: skip
     else:
         full = torch.empty(unit.mcore_shape, dtype=dtype, device=device)
-    dist.broadcast(full, src=dist.get_global_rank(groups.ep, owner), group=groups.ep)
+    if groups.ep_size > 1:
+        dist.broadcast(full, src=dist.get_global_rank(groups.ep, owner), group=groups.ep)
     return full
 
 
@@ -321,25 +317,21 @@ def _expert_owner(unit: Any, groups: ProcessGroups) -> int:
     return unit.expert // (unit.num_experts // groups.ep_size)
 
 
-def _in_first_expert_copy(groups: ProcessGroups) -> bool:
-    """Whether this rank's expert-parallel group includes its DP replica 0's rank (the same
-    TP/PP coordinates; a DP group's ranks are listed in replica order)."""
-    return dist.get_process_group_ranks(groups.dp)[0] in dist.get_process_group_ranks(groups.ep)
-
-
 def _expert_on_first_rank(
     unit: Any, local: Mapping[str, torch.Tensor], stage: int, dtype: torch.dtype, device: torch.device,
     groups: ProcessGroups, gated_linear_unit: bool,
 ) -> torch.Tensor | None:  # fmt: skip
-    """Expert ``unit.expert``'s full tensor on global rank 0 (``None`` elsewhere): the first
-    copy's expert-parallel rank holding it gathers its TP shards to its TP rank 0, which
-    sends the tensor to rank 0 point to point (world group). Rank 0 finds the sender as
-    its own EP group's member ``owner`` moved to ``stage`` (pipeline stages are the
-    outermost dimension of megatron's rank order, so a stage is a constant rank offset)."""
+    """Expert ``unit.expert``'s full tensor on global rank 0 (``None`` elsewhere): in
+    expert-data-parallel replica 0, the expert-parallel rank holding it gathers its shards
+    to its expert TP rank 0, which sends the tensor to rank 0 point to point (world group).
+    Rank 0 (expert TP, EP and expert-DP rank 0) finds the sender as its own EP group's
+    member ``owner`` moved to ``stage`` (pipeline stages are the outermost dimension of
+    megatron's rank order, so a stage is a constant rank offset)."""
     owner = _expert_owner(unit, groups)
     rank = dist.get_rank()
-    if stage == groups.pp_rank and groups.ep_rank == owner:
-        full = gather_tp_shards_to_first(unit.mcore_name, local[unit.mcore_name], groups=groups,
+    if stage == groups.pp_rank and groups.ep_rank == owner and groups.edp_rank == 0:
+        full = gather_tp_shards_to_first(unit.mcore_name, local[unit.mcore_name], tp_group=groups.etp,
+                                         tp_rank=groups.etp_rank, tp_size=groups.etp_size,
                                          gated_linear_unit=gated_linear_unit)  # fmt: skip
         if full is None or rank == 0:
             return full
@@ -361,7 +353,8 @@ def _unit_on_first_rank(
     owning stage, then a point-to-point send to stage 0 over the TP-rank-0 ranks' PP group."""
     full = None
     if stage == groups.pp_rank:
-        full = gather_tp_shards_to_first(unit.mcore_name, local[unit.mcore_name], groups=groups,
+        full = gather_tp_shards_to_first(unit.mcore_name, local[unit.mcore_name], tp_group=groups.tp,
+                                         tp_rank=groups.tp_rank, tp_size=groups.tp_size,
                                          gated_linear_unit=gated_linear_unit)  # fmt: skip
         if stage != 0 and full is not None:
             dist.send(full, dst=groups.pp_global_ranks[0], group=groups.pp)
@@ -440,9 +433,10 @@ def load_hf_weights(
         if missing:
             raise ConversionError(f"HF tensor '{missing[0]}' is missing from {directory}")
         full = adapter.hf_to_mcore(unit, {n: reader.read(n) for n in unit.hf_names})
-        shard = take_tp_shard(
-            unit.mcore_name, full, param, tp_rank=groups.tp_rank, tp_size=groups.tp_size, gated_linear_unit=gated_linear_unit
-        )
+        # An expert's weights are split over the expert TP group, every other TP-split one over TP.
+        tp_rank, tp_size = (groups.etp_rank, groups.etp_size) if unit.expert is not None else (groups.tp_rank, groups.tp_size)
+        shard = take_tp_shard(unit.mcore_name, full, param, tp_rank=tp_rank, tp_size=tp_size,
+                              gated_linear_unit=gated_linear_unit)  # fmt: skip
         if shard.shape != param.shape:
             raise ConversionError(f"'{unit.mcore_name}': HF gives shard {tuple(shard.shape)}, model has {tuple(param.shape)}")
         param.copy_(shard)
@@ -506,8 +500,9 @@ def gather_adapters(
     mine: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     for name, module in global_parameters(model, adapter, merge_adapters=True).merged.items():
         # ``name`` is the adapted weight's: B of fc1 is then joined as the weight's rows are.
-        a = gather_tp_shards_to_first(name, module.lora_a, groups=groups, gated_linear_unit=gated_linear_unit)
-        b = gather_tp_shards_to_first(name, module.lora_b, groups=groups, gated_linear_unit=gated_linear_unit)
+        tp = dict(tp_group=groups.tp, tp_rank=groups.tp_rank, tp_size=groups.tp_size, gated_linear_unit=gated_linear_unit)
+        a = gather_tp_shards_to_first(name, module.lora_a, **tp)
+        b = gather_tp_shards_to_first(name, module.lora_b, **tp)
         if a is not None:
             mine[name] = (a.float().cpu(), b.float().cpu())
     if groups.tp_rank != 0:

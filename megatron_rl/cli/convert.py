@@ -9,8 +9,8 @@
 
 The command line over :mod:`megatron_rl.models.convert.hf_mcore` (which the module doc there
 explains: layouts, streaming, atomic output). ``--tp`` only chooses the vocabulary padding
-and, with ``--pp`` and ``--ep``, what the model's head, group, layer and expert counts are
-checked against: the checkpoint loads at any TP/PP/EP. A LoRA run's checkpoint converts with
+and, with ``--pp``, ``--ep`` and ``--etp``, what the model's head, group, layer and expert
+counts and expert width are checked against: the checkpoint loads at any TP/PP/EP/ETP. A LoRA run's checkpoint converts with
 its adapters merged into the weights (``--out``) and/or as a PEFT adapter (``--peft-out``),
 from the settings its ``actor_state.json`` records. ``tools/convert_hf_to_mcore.py`` and
 ``tools/convert_mcore_to_hf.py`` reuse the argument helpers here. Bad input is exit code 1
@@ -63,6 +63,13 @@ def add_hf_to_mcore_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=1,
         help="expert-parallel size to check the number of experts against (mixture-of-experts models; default 1)",
+    )
+    parser.add_argument(
+        "--etp",
+        type=int,
+        default=None,
+        help="expert tensor-parallel size to check the expert width against (mixture-of-experts models; "
+        "default: --tp)",
     )
     parser.add_argument(
         "--make-vocab-size-divisible-by",
@@ -156,6 +163,7 @@ def _convert(args: argparse.Namespace):
                     tp=args.tp,
                     pp=args.pp,
                     ep=args.ep,
+                    etp=args.etp,
                     make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
                     dtype=args.dtype,
                 )

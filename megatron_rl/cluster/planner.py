@@ -191,10 +191,12 @@ def _padded_vocab(vocab: int, tp: int, divisible_by: int) -> int:
     return -(-vocab // multiple) * multiple
 
 
-def stage_parameters(arch: Architecture, *, tp: int, pp: int, stage: int, divisible_by: int = 128, ep: int = 1) -> int:
+def stage_parameters(
+    arch: Architecture, *, tp: int, pp: int, stage: int, divisible_by: int = 128, ep: int = 1, etp: int | None = None
+) -> int:
     """Parameters held by one rank of pipeline stage ``stage`` (TP shards; norms replicated;
     a mixture of experts' router replicated, its experts split over ``ep`` ranks and each
-    expert over TP)."""
+    expert over ``etp``, TP when None)."""
     h, f, d = arch.hidden_size, arch.ffn_hidden_size, arch.head_dim
     q, kv = arch.num_attention_heads * d, arch.num_query_groups * d
     per_layer = (h * (q + 2 * kv) + (q + 2 * kv if arch.qkv_bias else 0) + q * h) // tp
@@ -205,7 +207,7 @@ def stage_parameters(arch: Architecture, *, tp: int, pp: int, stage: int, divisi
     else:
         per_layer += 3 * h * f // tp
     vocab_rows = _padded_vocab(arch.vocab_size, tp, divisible_by) // tp
-    params = layers * per_layer + stage_expert_parameters(arch, tp=tp, pp=pp, ep=ep)
+    params = layers * per_layer + stage_expert_parameters(arch, etp=etp or tp, pp=pp, ep=ep)
     if stage == 0:
         params += vocab_rows * h
     if stage == pp - 1:
@@ -230,12 +232,12 @@ def lora_parameters(arch: Architecture, lora: LoRAConfig, *, tp: int, pp: int) -
     return arch.num_layers // pp * sum(per_target[name] for name in lora.target_modules)
 
 
-def stage_expert_parameters(arch: Architecture, *, tp: int, pp: int, ep: int) -> int:
+def stage_expert_parameters(arch: Architecture, *, etp: int, pp: int, ep: int) -> int:
     """The routed experts' parameters on one rank (``E / ep`` experts of each of its
-    stage's layers, each SwiGLU ``3 H F_e`` split over TP); 0 for a dense model."""
+    stage's layers, each SwiGLU ``3 H F_e`` split over expert TP); 0 for a dense model."""
     if not arch.is_moe:
         return 0
-    return (arch.num_layers // pp) * (arch.num_experts // ep) * 3 * arch.hidden_size * arch.moe_ffn_hidden_size // tp
+    return (arch.num_layers // pp) * (arch.num_experts // ep) * 3 * arch.hidden_size * arch.moe_ffn_hidden_size // etp
 
 
 def activation_bytes_per_token_layer(
@@ -285,7 +287,7 @@ def plan_memory(
 ) -> MemoryPlan:
     """The per-GPU memory plan of the run's actor (the worst pipeline stage)."""
     tp, pp, dp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size, parallel.resolved_data_parallel_size
-    ep = parallel.expert_model_parallel_size
+    ep, etp = parallel.expert_model_parallel_size, parallel.resolved_expert_tensor_parallel_size
     a = 2 if model.dtype == "bfloat16" else 4
     seq_len = min(rollout.max_sequence_tokens, trainer.max_tokens_per_microbatch)
     per_rank = -(-rollout.num_samples_per_step // (trainer.num_minibatches_per_step * dp))  # sequences per mini-batch
@@ -300,8 +302,9 @@ def plan_memory(
     # every stage holds the same number of layers, so the same adapters.
     adapters = 0 if actor.lora is None else lora_parameters(arch, actor.lora, tp=tp, pp=pp)
     for stage in range(pp):
-        params = stage_parameters(arch, tp=tp, pp=pp, stage=stage, divisible_by=model.make_vocab_size_divisible_by, ep=ep)
-        experts = stage_expert_parameters(arch, tp=tp, pp=pp, ep=ep)
+        params = stage_parameters(arch, tp=tp, pp=pp, stage=stage, divisible_by=model.make_vocab_size_divisible_by,
+                                  ep=ep, etp=etp)  # fmt: skip
+        experts = stage_expert_parameters(arch, etp=etp, pp=pp, ep=ep)
         plan = MemoryPlan(gpu_memory_bytes=gpu_memory_bytes, stage=stage)
         c = plan.components
         trained, trained_experts = (params, experts) if actor.lora is None else (adapters, 0)
@@ -309,9 +312,10 @@ def plan_memory(
         c["gradients"] = trained * 4  # megatron DDP reduces gradients in a float32 buffer
         optimizer_per_param = 8 + (4 if a == 2 else 0)  # Adam moments (+ float32 master weights)
         # The distributed optimizer shards the dense parameters' state over DP and the
-        # experts' over the expert-data-parallel group (DP / EP: the ranks holding the same experts).
+        # experts' over the expert-data-parallel group (the ranks holding the same expert
+        # shards: world / (ETP * EP * PP) = DP * TP / (ETP * EP)).
         shards = dp if actor.use_distributed_optimizer else 1
-        expert_shards = max(1, dp // ep) if actor.use_distributed_optimizer else 1
+        expert_shards = max(1, dp * tp // (etp * ep)) if actor.use_distributed_optimizer else 1
         dense = trained - trained_experts
         c["optimizer_state"] = dense * optimizer_per_param // shards + trained_experts * optimizer_per_param // expert_shards
         # torch's AdamW as a loop or foreach kernels (actor.optimizer_kernel) works through

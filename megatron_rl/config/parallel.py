@@ -39,8 +39,11 @@ class ParallelConfig:
 
     expert_tensor_parallel_size: int | None = None
     """Tensor-parallel size of each expert's weights (ETP); null: ``tensor_model_parallel_size``
-    (megatron's default), the only value supported yet (the weight sync gathers expert
-    shards over the TP group). Only read for mixture-of-experts models."""
+    (megatron's default). Any divisor of the expert width that fits the world
+    (``num_actor_ranks`` a multiple of ETP * EP * PP): ETP = 1 with TP > 1 keeps each
+    expert whole on one rank, the usual layout for fine-grained experts (Qwen3-30B-A3B's
+    768-wide experts), so the expert all-to-all moves no expert-width shards. Only read
+    for mixture-of-experts models."""
 
     sequence_parallel: bool = False
     """Megatron sequence parallelism: activations outside attention and MLP (norms,
@@ -85,12 +88,6 @@ class ParallelConfig:
                 "data_parallel_size",
                 f"got {self.data_parallel_size}; TP * PP * CP * DP = {model_parallel * self.data_parallel_size} "
                 f"must equal num_actor_ranks ({self.num_actor_ranks})",
-            )
-        etp = self.expert_tensor_parallel_size
-        if etp is not None and etp != self.tensor_model_parallel_size:
-            raise ConfigError(
-                "expert_tensor_parallel_size",
-                f"got {etp}; only the tensor-parallel size ({self.tensor_model_parallel_size}) or null is supported yet",
             )
         expert_layout = self.resolved_expert_tensor_parallel_size * self.expert_model_parallel_size
         if self.num_actor_ranks % (expert_layout * self.pipeline_model_parallel_size):

@@ -173,7 +173,7 @@ def test_checkpoint_on_disk_and_export(job, tmp_path):
     assert sorted(p.name for p in ckpt_root.iterdir()) == ["latest", "step_1"]  # no temporary leftovers
     step = ckpt_root / "step_1"
     state = json.loads((step / "actor_state.json").read_text())
-    assert state["layout"] == {"tp": 2, "pp": 1, "dp": 2, "ep": 1} and state["adam_step"] == 1.0
+    assert state["layout"] == {"tp": 2, "pp": 1, "dp": 2, "ep": 1, "etp": 2} and state["adam_step"] == 1.0
     assert state["optimizer_sharding"] == "dp_reshardable"
     assert sorted(p.name for p in (step / "rng").iterdir()) == [f"rank{r}.pt" for r in range(4)]
     hf_dir = Path(job["spec"]["variants"]["qwen2_gqa"]["hf_dir"])

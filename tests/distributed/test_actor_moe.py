@@ -6,6 +6,8 @@ equal EP (two replicas); the reported load-balancing loss and the term it adds t
 objective match a float64 computation from the routers' inputs; data-parallel ranks with
 different micro-batch counts run fillers at EP = 2 and still equal EP = 1; a checkpoint
 saved at EP = 2 resumes at EP = 2 like not stopping, and at EP = 1 with fresh Adam moments;
+TP = 2 with whole experts (expert TP 1) at EP = 2 equals EP = 1, its weight sync reaches
+rank 0 whole, and its checkpoint resumes at that layout and at TP = 1 like not stopping;
 a full activation recompute changes nothing; routing replay equals transformers forced to
 the same experts (padded, packed, EP = 2, TP = 2, PP = 2) and survives a recompute.
 """
@@ -26,6 +28,7 @@ def report(tmp_path_factory) -> dict:
     reports, _, _ = run_actor_job(WORKER, ("qwen3_moe",), root, timeout_s=900, nproc=2)
     assert reports[1]["ep2_vs_ep1"] == reports[0]["ep2_vs_ep1"]  # every rank reports the same
     assert reports[1]["first_rank_sync"] == {"names": [], "diff": None}  # a sync's tensors reach rank 0 only
+    assert reports[1]["etp1"]["first_rank_sync"] == {"names": [], "diff": None}
     return reports[0]
 
 
@@ -68,9 +71,26 @@ def test_the_reported_router_loss_matches_float64_from_the_routers_inputs(report
     assert metrics["loss/moe_aux"] == pytest.approx(term, rel=1e-5)
 
 
-@pytest.mark.parametrize("layout", ["ep2", "tp2_sp", "pp2"])
+@pytest.mark.parametrize("layout", ["ep2", "tp2_sp", "pp2", "tp2_etp1_ep2"])
 def test_layouts_agree_without_the_load_balancing_term(report, layout):
     _same(report["no_aux"][layout])
+
+
+def test_whole_experts_under_tp2_sync_to_rank_0_and_the_engine_agrees(report):
+    """At TP = 2, expert TP 1, EP = 2 each rank holds two whole experts: the sync gathers
+    the attention shards over TP and sends rank 1's experts to rank 0; the engine fed
+    that sync scores like the actor."""
+    sync, engine = report["etp1"]["first_rank_sync"], report["etp1"]["engine"]
+    assert any(".mlp.experts.3.down_proj." in n for n in sync["names"]) and sync["diff"] <= TOL, sync["diff"]
+    assert engine["tokens"] == 32 and engine["max_abs_dlogp"] <= 1e-3, engine
+
+
+@pytest.mark.parametrize("layout", ["etp1_same", "etp1_at_tp1"])
+def test_a_checkpoint_saved_with_whole_experts_under_tp2_resumes_like_not_stopping(report, layout):
+    case = report["resume"][layout]
+    assert case["loaded_optimizer"] is True
+    assert case["loss"][0] == pytest.approx(case["loss"][1], rel=TOL)
+    assert case["weights"] <= TOL, case
 
 
 def test_no_router_loss_is_reported_when_its_coefficient_is_zero(report):

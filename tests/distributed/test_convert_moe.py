@@ -5,12 +5,14 @@
   Megatron checkpoint does not depend on TP/PP/EP (its files are byte-identical).
 * One 2-rank gloo job: the checkpoint loads with megatron's ``dist_checkpointing.load``
   (``strict="raise_all"``: every key the GPTModels ask for, no other) into a GPTModel built
-  from the adapter at EP=2 and at TP=2 (experts split along their width), and the logits
-  match transformers within 1e-5 (float32). megatron's own ``dist_checkpointing.save`` of
+  from the adapter at EP=2, at TP=2 (experts split along their width) and at TP=2 with
+  expert TP 1 and EP=2 (each expert whole on one rank), and the logits match transformers
+  within 1e-5 (float32). megatron's own ``dist_checkpointing.save`` of
   the EP=2 model writes the same keys, global shapes, dtypes and ``_extra_state`` objects as
   the converter; that checkpoint loads at EP=1 (resharded) with the same logits, and
   converts back to the HF tensors bit-exactly.
-* ``--ep`` that does not divide the experts, is below 1, or is given for a dense model is a
+* ``--ep`` that does not divide the experts, is below 1, or is given for a dense model, and
+  ``--etp`` that does not divide the expert width or is given for a dense model, are a
   one-line error naming the flag; a config whose expert count disagrees with the checkpoint
   names the tensor.
 """
@@ -139,8 +141,9 @@ def _load_and_forward(rank, world, results, jobs, tokens, reference):
     cpu_shim.apply()
     positions = torch.arange(SEQ).unsqueeze(0).expand(BATCH, SEQ)
     for job in jobs:
-        tp, ep = job["tp"], job["ep"]
-        ps.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
+        tp, ep, etp = job["tp"], job["ep"], job.get("etp")
+        ps.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
+                                     expert_tensor_parallel_size=etp)  # fmt: skip
         with cpu_shim.cuda_to_cpu():
             tensor_parallel.model_parallel_cuda_manual_seed(1234)
         cfg = json.loads((Path(job["hf_dir"]) / "config.json").read_text())
@@ -150,6 +153,7 @@ def _load_and_forward(rank, world, results, jobs, tokens, reference):
             **cpu_shim.transformer_config_overrides(),
             tensor_model_parallel_size=tp,
             expert_model_parallel_size=ep,
+            expert_tensor_parallel_size=etp,
             params_dtype=torch.float32,
             pipeline_dtype=torch.float32,
         )
@@ -172,8 +176,8 @@ def _load_and_forward(rank, world, results, jobs, tokens, reference):
 
 @pytest.fixture(scope="module")
 def megatron_runs(hf_dirs, mcore_dirs, tmp_path_factory) -> tuple[dict, Path]:
-    """One 2-rank job: the converted checkpoint at EP=2 and at TP=2, then megatron's own
-    EP=2 save loaded at EP=1. Returns ``({(name, rank): (max |diff|, max |padding|)}, saved dir)``."""
+    """One 2-rank job: the converted checkpoint at EP=2, at TP=2 and at TP=2 with whole
+    experts over EP=2 (expert TP 1), then megatron's own EP=2 save loaded at EP=1. Returns ``({(name, rank): (max |diff|, max |padding|)}, saved dir)``."""
     from transformers import AutoModelForCausalLM
 
     reference = {}
@@ -186,6 +190,7 @@ def megatron_runs(hf_dirs, mcore_dirs, tmp_path_factory) -> tuple[dict, Path]:
     jobs = [
         {"name": "ep2", "variant": "qwen3_moe", "tp": 1, "ep": 2, "save_to": str(saved)},
         {"name": "tp2", "variant": "qwen3_moe", "tp": 2, "ep": 1},
+        {"name": "tp2_etp1_ep2", "variant": "qwen3_moe", "tp": 2, "ep": 2, "etp": 1},
         {"name": "tied_ep2", "variant": "qwen3_moe_tied", "tp": 1, "ep": 2},
         {"name": "megatron_ep2_at_ep1", "variant": "qwen3_moe", "tp": 1, "ep": 1, "mcore_dir": str(saved)},
     ]
@@ -198,7 +203,7 @@ def megatron_runs(hf_dirs, mcore_dirs, tmp_path_factory) -> tuple[dict, Path]:
 
 def test_converted_checkpoint_loads_in_megatron_at_ep2_and_tp2_with_transformers_logits(megatron_runs):
     runs, _ = megatron_runs
-    assert {name for name, _ in runs} == {"ep2", "tp2", "tied_ep2", "megatron_ep2_at_ep1"}
+    assert {name for name, _ in runs} == {"ep2", "tp2", "tp2_etp1_ep2", "tied_ep2", "megatron_ep2_at_ep1"}
     for key, (diff, padding) in runs.items():
         assert diff <= 1e-5 and padding == 0.0, (key, diff, padding)
     print(f"max |megatron - transformers| logit difference: {max(d for d, _ in runs.values()):.3g}")
@@ -271,7 +276,23 @@ def test_ep_on_a_dense_model_is_refused(tmp_path):
     dense = save_model("qwen3", tmp_path / "dense")
     with pytest.raises(ConversionError, match=r"--ep 2: expert parallelism .* 'qwen3' has no experts"):
         hf_to_mcore(HfToMcoreOptions(hf_dir=dense, out_dir=tmp_path / "out", ep=2))
+    with pytest.raises(ConversionError, match=r"--etp 1: expert tensor parallelism .* 'qwen3' has no experts"):
+        hf_to_mcore(HfToMcoreOptions(hf_dir=dense, out_dir=tmp_path / "out", etp=1))
     _assert_no_output(tmp_path / "out")
+
+
+def test_expert_tp_is_checked_against_the_expert_width_and_recorded(hf_dirs, tmp_path, capsys):
+    """--etp, not --tp, divides the expert width (32 here): --tp 2 --etp 3 is refused naming
+    --etp; --tp 2 --etp 1 converts and records expert TP 1."""
+    out = tmp_path / "out"
+    argv = ["hf-to-mcore", "--hf", str(hf_dirs["qwen3_moe"]), "--out", str(out), "--tp", "2", "--etp", "3"]
+    assert convert.main(argv) == 1
+    err = capsys.readouterr().err
+    assert "moe_intermediate_size=32 is not divisible by the expert-tensor-parallel size 3 (--etp 3)" in err, err
+    _assert_no_output(out)
+    assert convert.main([*argv[:-4], "--tp", "2", "--etp", "1"]) == 0
+    record = json.loads((out / RECORD_FILE).read_text())
+    assert (record["tensor_model_parallel_size"], record["expert_tensor_parallel_size"]) == (2, 1)
 
 
 def test_a_config_with_another_expert_count_names_the_tensor(hf_dirs, mcore_dirs, tmp_path):

@@ -51,9 +51,10 @@ def run(spec: dict) -> dict:
     world = dist.get_world_size()
     hf_dir = spec["variants"]["qwen3_moe"]["hf_dir"]
 
-    def build(tp=1, pp=1, ep=1, *, aux=AUX_COEFF, pack="auto", **actor_options) -> MegatronActor:
+    def build(tp=1, pp=1, ep=1, etp=None, *, aux=AUX_COEFF, pack="auto", **actor_options) -> MegatronActor:
         parallel = ParallelConfig(num_actor_ranks=world, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                  expert_model_parallel_size=ep, sequence_parallel=tp > 1)  # fmt: skip
+                                  expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
+                                  sequence_parallel=tp > 1)  # fmt: skip
         s = ActorSpec(
             architecture=hf_dir,
             parallel=parallel,
@@ -69,9 +70,9 @@ def run(spec: dict) -> dict:
         lp = actor.compute_logprobs(batch)
         return replace(batch, old_logp=lp.logp + noise[0], ref_logp=lp.logp + noise[1])
 
-    def train(tp=1, pp=1, ep=1, *, aux=AUX_COEFF, uneven=False, capture=False, **options) -> dict:
+    def train(tp=1, pp=1, ep=1, etp=None, *, aux=AUX_COEFF, uneven=False, capture=False, **options) -> dict:
         """Load the HF weights, compute log-probs, take one step: what the test compares."""
-        actor = build(tp, pp, ep, aux=aux, **options)
+        actor = build(tp, pp, ep, etp, aux=aux, **options)
         actor.load_hf_weights(hf_dir)
         batch, noise = make_batch(actor.vocab_size, uneven=uneven)
         lp = actor.compute_logprobs(batch)
@@ -184,6 +185,14 @@ def run(spec: dict) -> dict:
         "pp2": compare(train(pp=2, aux=0.0), plain),
         "aux_metrics": {k: v for k, v in plain["metrics"].items() if k.startswith(("loss/moe", "moe/"))},
     }
+    # TP = 2 with each expert whole on one rank (expert TP 1) over EP = 2: the same step; a
+    # weight sync gathers the experts over their own groups; a checkpoint saved there
+    # resumes there like not stopping, and at TP = 1 (the expert layout unchanged).
+    whole = train(tp=2, ep=2, etp=1, aux=0.0)
+    report["no_aux"]["tp2_etp1_ep2"] = compare(whole, plain)
+    sent = whole["first_rank_weights"]
+    report["etp1"] = {"first_rank_sync": {"names": sorted(sent), "diff": diff(sent, plain["weights"]) if sent else None},
+                      "engine": whole["engine"]}  # fmt: skip
     uneven_ep1 = train(uneven=True)
     uneven_ep2 = train(ep=2, uneven=True)
     # Checkpoints saved at EP = 2 after one step, in both optimizer formats: resumed at
@@ -209,6 +218,24 @@ def run(spec: dict) -> dict:
                 "loss": [metrics["loss/total"], second["loss/total"]],
                 "weights": diff(dict(resumed.iter_hf_weights(bucket_bytes=1 << 20)), straight),
             }
+    # (No load-balancing term: with it, the TP = 1 layout's data-parallel ranks would balance
+    # other token sets than the sequence-parallel ranks of TP = 2.)
+    options = dict(aux=0.0, use_distributed_optimizer=True, checkpoint_optimizer_sharding="fully_reshardable")
+    actor = build(tp=2, ep=2, etp=1, **options)
+    actor.load_hf_weights(hf_dir)
+    actor.train_step(rl_batch(actor, batch, noise))
+    actor.save_checkpoint(work / "etp1" / "step_1")
+    second = actor.train_step(rl_batch(actor, batch, noise))
+    straight = dict(actor.iter_hf_weights(bucket_bytes=1 << 20))
+    for name, layout in (("etp1_same", dict(tp=2, ep=2, etp=1)), ("etp1_at_tp1", dict(tp=1, ep=2))):
+        resumed = build(**layout, **options)
+        record = resumed.load_checkpoint(work / "etp1")
+        metrics = resumed.train_step(rl_batch(resumed, batch, noise))
+        resumes[name] = {
+            "loaded_optimizer": record["loaded_optimizer"],
+            "loss": [metrics["loss/total"], second["loss/total"]],
+            "weights": diff(dict(resumed.iter_hf_weights(bucket_bytes=1 << 20)), straight),
+        }
     report["resume"] = resumes
     per_rank: list = [None] * world
     dist.all_gather_object(per_rank, uneven_ep2["microbatches"])

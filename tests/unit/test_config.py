@@ -240,16 +240,20 @@ def test_parallel_sizes():
 
 def test_expert_parallel_sizes():
     """Megatron builds the expert groups over the same ranks as the dense layers: EP * ETP * PP
-    must divide the ranks; expert TP other than TP is refused until the sync gathers it."""
+    must divide the ranks, whatever expert TP is (1 with TP 2: each expert whole on a rank)."""
     par = ParallelConfig(num_actor_ranks=4, expert_model_parallel_size=4)
     assert par.resolved_data_parallel_size == 4 and par.resolved_expert_tensor_parallel_size == 1
     ParallelConfig(num_actor_ranks=8, tensor_model_parallel_size=2, expert_model_parallel_size=2, sequence_parallel=True)
     with pytest.raises(ConfigError, match="ETP \\* EP \\* PP = 8") as info:
         ParallelConfig(num_actor_ranks=4, pipeline_model_parallel_size=2, expert_model_parallel_size=4)
     assert info.value.path == "expert_model_parallel_size"
-    with pytest.raises(ConfigError, match="only the tensor-parallel size \\(2\\)") as info:
-        ParallelConfig(num_actor_ranks=4, tensor_model_parallel_size=2, expert_tensor_parallel_size=1)
-    assert info.value.path == "expert_tensor_parallel_size"
+    par = ParallelConfig(num_actor_ranks=4, tensor_model_parallel_size=2, expert_tensor_parallel_size=1,
+                         expert_model_parallel_size=4, sequence_parallel=True)  # fmt: skip
+    assert par.resolved_expert_tensor_parallel_size == 1 and par.resolved_data_parallel_size == 2
+    with pytest.raises(ConfigError, match="ETP \\* EP \\* PP = 8") as info:
+        ParallelConfig(num_actor_ranks=4, tensor_model_parallel_size=2, expert_tensor_parallel_size=4,
+                       expert_model_parallel_size=2, sequence_parallel=True)  # fmt: skip
+    assert info.value.path == "expert_model_parallel_size"
     with pytest.raises(ConfigError) as info:
         ParallelConfig(expert_model_parallel_size=0)
     assert info.value.path == "expert_model_parallel_size"

@@ -85,7 +85,7 @@ def test_moe_parameters_match_transformers_and_the_experts_state_shards_over_dp_
     assert isinstance(hf, transformers.PreTrainedModel) and total == sum(p.numel() for p in hf.parameters())
     e, k, h, f, layers = arch.num_experts, arch.moe_topk, arch.hidden_size, arch.moe_ffn_hidden_size, arch.num_layers
     assert total - active == (e - k) * 3 * h * f * layers
-    experts = stage_expert_parameters(arch, tp=1, pp=1, ep=2)
+    experts = stage_expert_parameters(arch, etp=1, pp=1, ep=2)
     assert experts == layers * (e // 2) * 3 * h * f
     params = stage_parameters(arch, tp=1, pp=1, stage=0, ep=2)
     assert params == stage_parameters(arch, tp=1, pp=1, stage=0) - experts
@@ -95,6 +95,18 @@ def test_moe_parameters_match_transformers_and_the_experts_state_shards_over_dp_
     )  # fmt: skip
     assert plan.components["parameters"] == 2 * params
     assert plan.components["optimizer_state"] == (params - experts) * 12 // 4 + experts * 12 // 2
+    # TP 2 with whole experts (expert TP 1) over EP 4: each rank holds E / 4 unsplit experts,
+    # whose state is sharded over the 4 / (1 * 4) = 1 rank holding the same ones.
+    parallel = ParallelConfig(num_actor_ranks=4, tensor_model_parallel_size=2, sequence_parallel=True,
+                              expert_model_parallel_size=4, expert_tensor_parallel_size=1)  # fmt: skip
+    plan = plan_memory(arch, parallel=parallel, model=ModelOptions(dtype="bfloat16"), trainer=TrainerConfig(),
+                       actor=ActorConfig(), rollout=RolloutConfig(), with_reference=False, use_te=True)  # fmt: skip
+    experts = stage_expert_parameters(arch, etp=1, pp=1, ep=4)
+    assert experts == layers * (e // 4) * 3 * h * f
+    params = stage_parameters(arch, tp=2, pp=1, stage=0, ep=4, etp=1)
+    assert params == stage_parameters(arch, tp=2, pp=1, stage=0, ep=1, etp=1) - 3 * experts
+    assert plan.components["parameters"] == 2 * params
+    assert plan.components["optimizer_state"] == (params - experts) * 12 // 2 + experts * 12
 
 
 def test_the_30b_a3b_example_fits_2x8x80gb():

@@ -308,12 +308,20 @@ def _write(final: Path, tmp: Path, *, model, optimizer, groups, actor_state, hf_
 
 
 def _layout(groups: ProcessGroups) -> dict[str, int]:
-    return {"tp": groups.tp_size, "pp": groups.pp_size, "dp": groups.dp_size, "ep": groups.ep_size}
+    return {"tp": groups.tp_size, "pp": groups.pp_size, "dp": groups.dp_size, "ep": groups.ep_size,
+            "etp": groups.etp_size}  # fmt: skip
 
 
-def _model_layout(layout: dict[str, int]) -> tuple[int, int, int]:
-    """``(TP, PP, EP)`` of a recorded layout (checkpoints from before expert parallelism: EP 1)."""
-    return layout["tp"], layout["pp"], layout.get("ep", 1)
+def _full_layout(layout: dict[str, int]) -> dict[str, int]:
+    """A recorded layout with the fields older checkpoints lack: EP 1 and expert TP = TP
+    (checkpoints from before expert parallelism and before a separate expert TP size)."""
+    return {"ep": 1, "etp": layout["tp"], **layout}
+
+
+def _model_layout(layout: dict[str, int]) -> tuple[int, int, int, int]:
+    """``(TP, PP, EP, ETP)`` of a recorded layout."""
+    full = _full_layout(layout)
+    return full["tp"], full["pp"], full["ep"], full["etp"]
 
 
 def load_checkpoint(
@@ -367,7 +375,8 @@ def load_checkpoint(
         )
     elif sharding is not None and not (same_model_layout or sharding in _MODEL_RESHARDABLE):
         why_not = (
-            "it was written at TP={} PP={} EP={} and is '{}', which does not reshard to TP={} PP={} EP={}".format(
+            "it was written at TP={} PP={} EP={} ETP={} and is '{}', which does not reshard to TP={} PP={} EP={} "
+            "ETP={}".format(
                 *_model_layout(saved_layout), sharding, *_model_layout(here)
             )
         )
@@ -442,7 +451,7 @@ def load_checkpoint(
                 # Master weights (fp32 copies of bf16 params) must follow the new weights.
                 optimizer.reload_model_params()
     rng_file = path / "rng" / f"rank{dist.get_rank()}.pt"
-    if load_rng and saved_layout is not None and {"ep": 1, **saved_layout} == here and rng_file.is_file():
+    if load_rng and saved_layout is not None and _full_layout(saved_layout) == here and rng_file.is_file():
         rng = load_rng_file(rng_file)
         if rng is not None:
             set_rng_state(rng)

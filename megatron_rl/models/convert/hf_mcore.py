@@ -6,14 +6,14 @@
     mcore_to_hf(McoreToHfOptions(mcore_dir=Path("/ckpt/q7b-mcore"), out_dir=Path("/ckpt/q7b-hf")))
 
 The command line over these is ``megatron-rl convert hf-to-mcore|mcore-to-hf``
-(:mod:`megatron_rl.cli.convert`), whose ``--tp``/``--pp``/``--ep`` are the options'
-``tp``/``pp``/``ep``.
+(:mod:`megatron_rl.cli.convert`), whose ``--tp``/``--pp``/``--ep``/``--etp`` are the
+options' ``tp``/``pp``/``ep``/``etp``.
 
 The Megatron side is a megatron-core ``torch_dist`` checkpoint whose keys and global
 shapes are those of ``GPTModel.sharded_state_dict()``, so ``dist_checkpointing.load``
-fills a GPTModel built at *any* TP/PP/EP; ``tp`` only chooses the vocabulary padding
+fills a GPTModel built at *any* TP/PP/EP/ETP; ``tp`` only chooses the vocabulary padding
 (rows rounded up to ``make_vocab_size_divisible_by * tp``; other sizes load too,
-megatron-core marks the embedding as ``allow_shape_mismatch``) and ``tp``/``pp``/``ep``
+megatron-core marks the embedding as ``allow_shape_mismatch``) and ``tp``/``pp``/``ep``/``etp``
 are checked against the model's head, group, layer and expert counts. Mixture-of-experts
 models (Qwen3-MoE) convert one expert projection at a time: expert ``j`` of layer ``i``
 is element ``[i, j]`` of its key (:func:`~megatron_rl.models.weight_units.checkpoint_region`).
@@ -113,6 +113,9 @@ class HfToMcoreOptions:
     ep: int = 1
     """Expert-parallel size the number of experts is checked against (it loads at any EP);
     a dense model takes only 1."""
+    etp: int | None = None
+    """Expert tensor-parallel size the expert width is checked against (it loads at any
+    ETP); None: ``tp`` (megatron's default). Mixture-of-experts models only."""
     make_vocab_size_divisible_by: int = 128
     """Embedding rows are padded to a multiple of this times ``tp`` (Megatron-LM convention)."""
     dtype: str | None = None
@@ -123,6 +126,8 @@ class HfToMcoreOptions:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} (--{name.replace('_', '-')}) must be an integer >= 1, got {value!r}")
+        if self.etp is not None and (isinstance(self.etp, bool) or not isinstance(self.etp, int) or self.etp < 1):
+            raise ValueError(f"etp (--etp) must be an integer >= 1 or None, got {self.etp!r}")
         if self.dtype is not None:
             dtype_from_name(self.dtype)
 
@@ -238,8 +243,8 @@ def _check_parallel(adapter: DecoderAdapter, cfg: dict, options: HfToMcoreOption
     """The model divides among ``options``' TP/PP/EP ranks; the error names the field and the flag.
 
     Experts are split over ``ep`` ranks and each expert over the expert tensor-parallel
-    size, megatron's default for which is ``tp``; a MoE model has no dense MLP, so its
-    ``intermediate_size`` is not checked.
+    size ``etp`` (``tp`` when None, megatron's default); a MoE model has no dense MLP, so
+    its ``intermediate_size`` is not checked.
     """
     dims = adapter.dims(cfg)
     tp, pp, ep = options.tp, options.pp, options.ep
@@ -252,7 +257,8 @@ def _check_parallel(adapter: DecoderAdapter, cfg: dict, options: HfToMcoreOption
     if isinstance(adapter, MoEDecoderAdapter):
         moe = adapter.moe_dims(cfg)
         checks += [
-            ("moe_intermediate_size", moe.moe_ffn_hidden_size, "tensor", tp),
+            ("moe_intermediate_size", moe.moe_ffn_hidden_size, "expert-tensor" if options.etp else "tensor",
+             options.etp or tp),
             ("num_experts", moe.num_moe_experts, "expert", ep),
         ]
     else:
@@ -262,7 +268,12 @@ def _check_parallel(adapter: DecoderAdapter, cfg: dict, options: HfToMcoreOption
                 f"--ep {ep}: expert parallelism applies to mixture-of-experts models; model_type "
                 f"{dims.model_type!r} has no experts (use --ep 1)"
             )
-    flags = {"tensor": "--tp", "pipeline": "--pp", "expert": "--ep"}
+        if options.etp is not None:
+            raise ConversionError(
+                f"--etp {options.etp}: expert tensor parallelism applies to mixture-of-experts models; model_type "
+                f"{dims.model_type!r} has no experts (leave --etp out)"
+            )
+    flags = {"tensor": "--tp", "pipeline": "--pp", "expert": "--ep", "expert-tensor": "--etp"}
     for what, value, kind, size in checks:
         if value % size:
             raise ConversionError(
@@ -362,6 +373,7 @@ def hf_to_mcore(options: HfToMcoreOptions) -> ConversionSummary:
             "tensor_model_parallel_size": options.tp,
             "pipeline_model_parallel_size": options.pp,
             "expert_model_parallel_size": options.ep,
+            "expert_tensor_parallel_size": options.etp or options.tp,
             "dtypes": sorted({str(d).removeprefix("torch.") for d in dtypes.values()}),
         }
         (tmp / RECORD_FILE).write_text(json.dumps(record, indent=2) + "\n")
