@@ -2,7 +2,7 @@
 
     megatron-rl sweep CONFIG --methods grpo,ar,lopti,ar_lopti,stapo,tr_grpo --seeds 3
                       [--out DIR] [--threshold 0.9] [--threshold-key KEY] [--dry-run]
-                      [--launcher local|slurm [--sbatch-args '...'] [--sbatch-script F]
+                      [--launcher local [--jobs N] | slurm [--sbatch-args '...'] [--sbatch-script F]
                       [--poll-s S]] [section.field=value ...]
 
 Each run is ``megatron-rl train CONFIG`` with, in this order: the method's preset
@@ -12,8 +12,11 @@ the run's own ``trainer.seed``, ``trainer.output_dir = OUT/<method>`` and
 Where the runs go (``--launcher``):
 
 - ``local`` (default; a CPU machine, one node): each run in its own process (a clean Ray
-  and megatron state), one after the other. A run refused as a bad config (exit code 2)
-  stops the sweep with that code.
+  and megatron state), ``--jobs`` at a time (default 1: one after the other), started in
+  plan order. Several at once pay where one run leaves cores idle: the CPU engine
+  generates token by token in one process while the actor waits, then the actor trains
+  while the engine waits. A run refused as a bad config (exit code 2) starts no further
+  run (the running ones finish) and the sweep exits with that code.
 - ``slurm`` (a cluster): every run is its own job, ``sbatch [--sbatch-args] SCRIPT CONFIG
   OVERRIDES`` with ``SCRIPT`` = ``slurm/train.sbatch`` (a Ray cluster over the job's
   nodes, the trainer as its driver; docs/multinode.md), all submitted at once, so they
@@ -110,6 +113,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="directory of the paper configs <method>_3b.yaml (default: examples/kk_logic)",
     )
     parser.add_argument("--dry-run", action="store_true", help="validate and print the runs; train nothing")
+    parser.add_argument(
+        "--jobs", type=int, default=1, help="runs at a time on this machine (local; default: %(default)s)"
+    )
     parser.add_argument(
         "--launcher",
         choices=LAUNCHERS,
@@ -218,6 +224,10 @@ def plan_runs(args: argparse.Namespace) -> tuple[Path, list[Run], Any]:
 
     if args.seeds < 1:
         raise ConfigError("--seeds", f"must be >= 1, got {args.seeds}")
+    if args.jobs < 1:
+        raise ConfigError("--jobs", f"must be >= 1, got {args.jobs}")
+    if args.jobs > 1 and args.launcher != "local":
+        raise ConfigError("--jobs", f"applies to --launcher local; the {args.launcher} launcher runs every job at once")
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     if not methods or len(set(methods)) != len(methods):
         raise ConfigError("--methods", f"needs distinct method names, got {args.methods!r}")
@@ -306,23 +316,45 @@ def _command(args: argparse.Namespace, out: Path, method: str, seed: int, overri
 def _run_local(
     args: argparse.Namespace, out: Path, todo: list[tuple[int, Run]], total: int, num_steps: int
 ) -> tuple[int | None, list[str]]:
-    """Each run in its own process, one after the other. Returns ``(exit code to stop
-    with, or None; failed runs)``."""
-    failed = []
-    for k, (method, seed, overrides) in todo:
-        log = out / "logs" / f"{method}_seed{seed}.log"
-        print(f"[{k}/{total}] {method} seed {seed}: training (log {log})", file=sys.stderr, flush=True)
-        start = time.perf_counter()
-        with open(log, "w", encoding="utf-8") as f:
-            cmd = _command(args, out, method, seed, overrides)
-            code = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, check=False).returncode
-        print(f"    exit {code} after {time.perf_counter() - start:.0f} s", file=sys.stderr)
-        if code == EXIT_USAGE:
-            print(f"error: {method} seed {seed} was refused (bad config or data); see {log}", file=sys.stderr)
-            return EXIT_USAGE, failed
-        if code != 0:
-            failed.append(f"{method} seed {seed} (exit {code}, see {log})")
-    return None, failed
+    """Each run in its own process, ``args.jobs`` at a time, started in plan order. Returns
+    ``(exit code to stop with, or None; failed runs)``. Ctrl-C kills the running ones."""
+    failed: list[str] = []
+    queue = list(todo)
+    running: dict[subprocess.Popen, tuple[str, int, Path, float, Any]] = {}
+    refused = False
+    try:
+        while running or (queue and not refused):
+            while queue and not refused and len(running) < args.jobs:
+                k, (method, seed, overrides) = queue.pop(0)
+                log = out / "logs" / f"{method}_seed{seed}.log"
+                print(f"[{k}/{total}] {method} seed {seed}: training (log {log})", file=sys.stderr, flush=True)
+                f = open(log, "w", encoding="utf-8")  # noqa: SIM115 (closed when the run ends)
+                proc = subprocess.Popen(_command(args, out, method, seed, overrides), stdout=f, stderr=subprocess.STDOUT)
+                running[proc] = (method, seed, log, time.perf_counter(), f)
+            ended = [proc for proc in running if proc.poll() is not None]
+            if not ended:
+                time.sleep(LOCAL_POLL_S)
+            for proc in ended:
+                method, seed, log, start, f = running.pop(proc)
+                f.close()
+                code = proc.returncode
+                print(f"    {method} seed {seed}: exit {code} after {time.perf_counter() - start:.0f} s", file=sys.stderr)
+                if code == EXIT_USAGE:
+                    print(f"error: {method} seed {seed} was refused (bad config or data); see {log}", file=sys.stderr)
+                    refused = True
+                elif code != 0:
+                    failed.append(f"{method} seed {seed} (exit {code}, see {log})")
+    except KeyboardInterrupt:
+        for proc, (*_, f) in running.items():
+            proc.kill()
+            proc.wait()
+            f.close()
+        raise
+    return (EXIT_USAGE if refused else None), failed
+
+
+LOCAL_POLL_S = 0.2
+"""Seconds between checks of the local runs' processes."""
 
 
 # --------------------------------------------------------------------------- slurm

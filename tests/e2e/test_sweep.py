@@ -1,5 +1,6 @@
 """``megatron-rl sweep`` end to end on the CPU demo: 2 methods x 2 seeds x 2 steps, each
-run a real ``megatron-rl train`` process, then the comparison table, JSON and plot."""
+run a real ``megatron-rl train`` process (two at a time, each with its own Ray cluster),
+then the comparison table, JSON and plot."""
 
 import json
 import sys
@@ -16,7 +17,7 @@ def test_sweep_two_methods_two_seeds(tmp_path):
     overrides = tiny_overrides(tmp_path / "unused", f"trainer.num_steps={NUM_STEPS}", "trainer.eval_every_steps=2",
                                "trainer.eval_before_train=true", "trainer.save_every_steps=0")  # fmt: skip
     cmd = [sys.executable, "-m", "megatron_rl", "sweep", str(EXAMPLE), *overrides,
-           "--methods", "grpo,ar", "--seeds", "2", "--out", str(out), "--threshold", "0.0"]  # fmt: skip
+           "--methods", "grpo,ar", "--seeds", "2", "--out", str(out), "--threshold", "0.0", "--jobs", "2"]  # fmt: skip
     proc = run_job(cmd, cwd=ROOT, timeout_s=1200)
     assert proc.returncode == 0, proc.stdout + proc.stderr
 

@@ -1,6 +1,7 @@
 """``megatron-rl sweep``: method presets from the paper configs, the run plan, the
-comparison's numbers (``observability/comparison.py``) on hand-written runs, and the
-Slurm launcher against a stand-in Slurm (sbatch, scontrol, sacct, scancel on PATH)."""
+comparison's numbers (``observability/comparison.py``) on hand-written runs, the local
+launcher's runs at a time (a stand-in ``train`` that sleeps), and the Slurm launcher
+against a stand-in Slurm (sbatch, scontrol, sacct, scancel on PATH)."""
 
 from __future__ import annotations
 
@@ -60,7 +61,7 @@ def _args(tmp_path, *overrides, methods="grpo,ar_lopti,stapo", seeds=2):
     return argparse.Namespace(
         config=str(ROOT / "examples" / "tiny_cpu.yaml"), overrides=list(overrides), methods=methods, seeds=seeds,
         out=str(tmp_path / "sweep"), threshold_key="eval/accuracy/mean", threshold=0.9, methods_dir=str(PAPER),
-        dry_run=True, launcher="local", sbatch_args="", sbatch_script=None, poll_s=30.0,
+        dry_run=True, launcher="local", jobs=1, sbatch_args="", sbatch_script=None, poll_s=30.0,
     )  # fmt: skip
 
 
@@ -107,6 +108,9 @@ def test_cli_dry_run_and_usage_errors(tmp_path, capsys):
     assert "algorithm.ar.alpha=0.2" in capsys.readouterr().out
     assert main(["sweep", cfg, "--methods", "grpo,nope", "--dry-run"]) == 2
     assert main(["sweep", cfg, "--seeds", "0", "--dry-run"]) == 2
+    assert main(["sweep", cfg, "--jobs", "0", "--dry-run"]) == 2
+    assert main(["sweep", cfg, "--jobs", "2", "--launcher", "slurm", "--dry-run"]) == 2
+    assert "'--jobs': applies to --launcher local" in capsys.readouterr().err
     assert not any(tmp_path.iterdir())
 
 
@@ -400,6 +404,49 @@ def _alive(pid: int) -> bool:
     return (
         Path(f"/proc/{pid}/stat").exists() and Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     )
+
+
+TIMED_JOB = "import time\nstarted = time.time()\n" + FAKE_JOB + """\
+with open(os.environ["FAKE_TIMES"], "a") as f:
+    f.write(json.dumps([started, time.time(), method]) + "\\n")
+"""
+"""FAKE_JOB as a local run (``python TIMED_JOB CONFIG OVERRIDES``) that also appends
+``[start, end, method]`` of each run it finishes to ``$FAKE_TIMES``."""
+
+
+def _local_sweep(tmp_path, monkeypatch, jobs: int, behaviour: dict) -> tuple[int, list]:
+    from megatron_rl.cli import sweep
+
+    script, times = tmp_path / "job.py", tmp_path / "times.jsonl"
+    script.write_text(TIMED_JOB)
+    monkeypatch.setenv("FAKE_TIMES", str(times))
+    monkeypatch.setenv("FAKE_BEHAVIOUR", json.dumps(behaviour))
+    monkeypatch.setattr(sweep, "_command", lambda args, out, method, seed, overrides: [
+        sys.executable, str(script), args.config, *overrides])  # fmt: skip
+    code = main(["sweep", str(ROOT / "examples" / "tiny_cpu.yaml"), "trainer.num_steps=4", "--methods", "grpo,ar",
+                 "--seeds", "2", "--out", str(tmp_path / "sweep"), "--jobs", str(jobs)])  # fmt: skip
+    spans = [json.loads(line) for line in times.read_text().splitlines()] if times.exists() else []
+    return code, spans
+
+
+@pytest.mark.parametrize("jobs", [1, 2])
+def test_the_local_launcher_runs_jobs_at_a_time(jobs, tmp_path, monkeypatch, capsys):
+    code, spans = _local_sweep(tmp_path, monkeypatch, jobs, {"grpo": {"sleep": 0.6}, "ar": {"sleep": 0.6}})
+    assert code == 0 and len(spans) == 4
+    # the most runs alive at once (counted at each run's start) is what --jobs allows
+    assert max(sum(s <= start < e for s, e, _ in spans) for start, _, _ in spans) == jobs, spans
+    table = (tmp_path / "sweep" / "comparison.md").read_text()
+    assert "| grpo | 2 |" in table and "| ar | 2 |" in table
+    assert capsys.readouterr().err.count(": exit 0 after") == 4
+
+
+def test_a_refused_local_run_starts_no_further_run(tmp_path, monkeypatch, capsys):
+    """Plan order is grpo x 2 seeds, then ar: both grpo runs (running together) are refused,
+    so no ar run starts and the sweep exits 2."""
+    code, spans = _local_sweep(tmp_path, monkeypatch, 2, {"grpo": {"exit": 2}})
+    assert code == 2 and spans == []
+    assert not (tmp_path / "sweep" / "ar").exists()
+    assert "grpo seed 1234 was refused" in capsys.readouterr().err
 
 
 def test_slurm_launcher_usage_errors(fake_slurm, tmp_path, monkeypatch, capsys):

@@ -77,20 +77,24 @@ def test_moe_logprobs_match_transformers_before_and_after_in_place_updates(model
         engine.shutdown()
 
 
-TRAIN_STEPS = 4
+TRAIN_STEPS = 120
+"""The built-in engine's learning tests' budget (tests/e2e/test_demo_learns.py)."""
 
 
-def test_moe_actor_at_ep2_trains_with_vllm_and_the_logprobs_agree(tmp_path):
+def test_moe_actor_at_ep2_learns_with_vllm_and_the_logprobs_agree(tmp_path):
     """examples/tiny_cpu_moe.yaml with head size 64, vLLM as the engine and the experts split
     over two actor ranks: every step's weights go from the actor (expert-parallel ranks
-    gathered to rank 0) to vLLM's worker over the collective gloo transport, and vLLM's
-    sampled tokens' log-probs equal the actor's recomputation (measured: <= 6e-7)."""
+    gathered to rank 0) to vLLM's worker over the collective gloo transport, vLLM's sampled
+    tokens' log-probs equal the actor's recomputation at every step (measured: <= 6e-7),
+    and the reward rises beyond noise as with the built-in engine."""
     from tests.e2e.conftest import MOE_EXAMPLE, tiny_config, train_in_process
+    from tests.helpers.learning import assert_learns
     from tests.ray_cluster import shared_ray
 
     shared_ray("e2e")  # a CPU cluster (the vLLM tier's has stand-in GPUs, which the builder would place on)
     config = tiny_config(
         tmp_path, f"trainer.num_steps={TRAIN_STEPS}", "trainer.eval_every_steps=0", "trainer.save_every_steps=0",
+        "trainer.seed=1", "logging.token_diagnostics=false",
         "model.tiny.hidden_size=128", "model.tiny.num_attention_heads=2", "model.tiny.num_key_value_heads=2",
         "rollout.engine=vllm", "rollout.engine_args={dtype: float32, max_model_len: 64, kv_cache_memory_bytes: 67108864}",
         "rollout.weight_transport=collective", "parallel.num_actor_ranks=2", "parallel.expert_model_parallel_size=2",
@@ -101,3 +105,4 @@ def test_moe_actor_at_ep2_trains_with_vllm_and_the_logprobs_agree(tmp_path):
     for r in rows:
         assert r["rollout/logp_mismatch/max_abs"] <= TOL, r["rollout/logp_mismatch/max_abs"]
         assert r["weight_sync/retries"] == 0 and r["moe/load_balancing_loss"] > 0
+    assert_learns([r["rollout/reward/mean"] for r in rows], "vLLM, MoE at EP = 2")
