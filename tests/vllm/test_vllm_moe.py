@@ -77,8 +77,9 @@ def test_moe_logprobs_match_transformers_before_and_after_in_place_updates(model
         engine.shutdown()
 
 
-TRAIN_STEPS = 120
-"""The built-in engine's learning tests' budget (tests/e2e/test_demo_learns.py)."""
+TRAIN_STEPS = 60
+"""Enough to see it learn: with seed 1 the reward's window means rose by 0.12 at 60 steps
+(12 standard errors; 0.31 at 120), against the bar of 0.04 and 5 standard errors."""
 
 
 def test_moe_actor_at_ep2_learns_with_vllm_and_the_logprobs_agree(tmp_path):
