@@ -29,6 +29,7 @@ def report(tmp_path_factory) -> dict:
     assert reports[1]["ep2_vs_ep1"] == reports[0]["ep2_vs_ep1"]  # every rank reports the same
     assert reports[1]["first_rank_sync"] == {"names": [], "diff": None}  # a sync's tensors reach rank 0 only
     assert reports[1]["etp1"]["first_rank_sync"] == {"names": [], "diff": None}
+    assert reports[1]["pp2_sync"] == {"names": [], "diff": None}
     return reports[0]
 
 
@@ -83,6 +84,11 @@ def test_whole_experts_under_tp2_sync_to_rank_0_and_the_engine_agrees(report):
     sync, engine = report["etp1"]["first_rank_sync"], report["etp1"]["engine"]
     assert any(".mlp.experts.3.down_proj." in n for n in sync["names"]) and sync["diff"] <= TOL, sync["diff"]
     assert engine["tokens"] == 32 and engine["max_abs_dlogp"] <= 1e-3, engine
+
+
+def test_a_weight_sync_at_pp2_sends_the_second_stages_experts_to_rank_0(report):
+    sync = report["pp2_sync"]
+    assert any("layers.1.mlp.experts.3.down_proj." in n for n in sync["names"]) and sync["diff"] <= TOL, sync["diff"]
 
 
 @pytest.mark.parametrize("layout", ["etp1_same", "etp1_at_tp1"])

@@ -90,8 +90,9 @@ def run(spec: dict) -> dict:
             "weights": dict(actor.iter_hf_weights(bucket_bytes=1 << 20)),
             "microbatches": [len(mb.rows) for mb in local_mbs],  # this rank's; 0: a filler
         }
-        if ep > 1:  # what a weight sync sends: full tensors on global rank 0 only
+        if ep > 1 or pp > 1:  # what a weight sync sends: full tensors on global rank 0 only
             out["first_rank_weights"] = dict(actor.weight_source(dtype=torch.float32))
+        if ep > 1:
             out["engine"] = engine_check(actor, out["first_rank_weights"], batch)
         if tp == 1 and pp == 1:  # every rank's full gradients, by global name (experts: where they live)
             grads = {n: p.main_grad.detach().double().clone() for n, p in global_parameters(actor.model, actor.adapter).items()}
@@ -179,10 +180,13 @@ def run(spec: dict) -> dict:
     # Without the load-balancing term the data-parallel split does not matter either
     # (global token normalisation): TP and PP (one replica) equal EP (two replicas).
     plain = train(aux=0.0)
+    pp2 = train(pp=2, aux=0.0)
+    sent = pp2["first_rank_weights"]
+    report["pp2_sync"] = {"names": sorted(sent), "diff": diff(sent, plain["weights"]) if sent else None}
     report["no_aux"] = {
         "ep2": compare(train(ep=2, aux=0.0), plain),
         "tp2_sp": compare(train(tp=2, aux=0.0), plain),
-        "pp2": compare(train(pp=2, aux=0.0), plain),
+        "pp2": compare(pp2, plain),
         "aux_metrics": {k: v for k, v in plain["metrics"].items() if k.startswith(("loss/moe", "moe/"))},
     }
     # TP = 2 with each expert whole on one rank (expert TP 1) over EP = 2: the same step; a
