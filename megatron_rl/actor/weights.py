@@ -498,9 +498,9 @@ def gather_adapters(
     if groups.dp_rank != 0:
         return None
     mine: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    tp = dict(tp_group=groups.tp, tp_rank=groups.tp_rank, tp_size=groups.tp_size, gated_linear_unit=gated_linear_unit)
     for name, module in global_parameters(model, adapter, merge_adapters=True).merged.items():
         # ``name`` is the adapted weight's: B of fc1 is then joined as the weight's rows are.
-        tp = dict(tp_group=groups.tp, tp_rank=groups.tp_rank, tp_size=groups.tp_size, gated_linear_unit=gated_linear_unit)
         a = gather_tp_shards_to_first(name, module.lora_a, **tp)
         b = gather_tp_shards_to_first(name, module.lora_b, **tp)
         if a is not None:

@@ -52,13 +52,12 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(plan.as_dict(), indent=2))
     else:
         par = config.parallel
+        experts = (f"; experts EP {par.expert_model_parallel_size} x ETP {par.resolved_expert_tensor_parallel_size}"
+                   if arch.is_moe else "")  # fmt: skip
         print(
             f"per GPU, pipeline stage {plan.stage} of {par.pipeline_model_parallel_size} "
             f"(TP {par.tensor_model_parallel_size} x PP {par.pipeline_model_parallel_size} x "
-            f"DP {par.resolved_data_parallel_size}"
-            + (f"; experts EP {par.expert_model_parallel_size} x ETP {par.resolved_expert_tensor_parallel_size}"
-               if arch.is_moe else "")  # fmt: skip
-            + f", {config.model.dtype}, loss {config.actor.loss_impl}, "
+            f"DP {par.resolved_data_parallel_size}{experts}, {config.model.dtype}, loss {config.actor.loss_impl}, "
             f"recompute {config.actor.recompute_granularity})"
         )
         for name, value in plan.components.items():

@@ -122,12 +122,12 @@ class HfToMcoreOptions:
     """Cast every tensor to bf16/fp16/fp32; None keeps the HF dtypes."""
 
     def __post_init__(self) -> None:
-        for name in ("tp", "pp", "ep", "make_vocab_size_divisible_by"):
+        for name in ("tp", "pp", "ep", "etp", "make_vocab_size_divisible_by"):
             value = getattr(self, name)
+            if name == "etp" and value is None:  # megatron's default: tp
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} (--{name.replace('_', '-')}) must be an integer >= 1, got {value!r}")
-        if self.etp is not None and (isinstance(self.etp, bool) or not isinstance(self.etp, int) or self.etp < 1):
-            raise ValueError(f"etp (--etp) must be an integer >= 1 or None, got {self.etp!r}")
         if self.dtype is not None:
             dtype_from_name(self.dtype)
 
