@@ -7,7 +7,9 @@ process's own, not its children's: each process is counted once) and its command
 names its kind (``KINDS``: a Ray actor by its class, a torchrun rank by its script, a CLI run,
 Ray's own daemons, ...). A process's last reading counts when it exits, so one that lives less
 than an interval is missed: the machine's whole CPU time over the same span (``/proc/stat``)
-is printed beside the sum, and the difference as ``unsampled``. Prints one JSON line per kind,
+is printed beside the sum, and the difference as ``unsampled``. ``--tree`` counts only the
+command's own process tree (a process whose parent, when first seen, is in it), so a
+measurement is not mixed with whatever else the machine runs. Prints one JSON line per kind,
 largest first, and the total; ``--out`` keeps them. The command's exit status is returned.
 """
 
@@ -56,7 +58,9 @@ def machine_cpu_s() -> float:
     return busy / TICK
 
 
-def sample(seen: dict[int, tuple[str, float]]) -> None:
+def sample(seen: dict[int, tuple[str, float]], parents: dict[int, int] | None = None) -> None:
+    """Read every process's kind and CPU seconds into ``seen``; its parent, when first seen,
+    into ``parents``."""
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -77,27 +81,47 @@ def sample(seen: dict[int, tuple[str, float]]) -> None:
             else:  # an exiting process has none: keep what it was
                 kind = seen[pid][0] if pid in seen else kind_of(stat[stat.index("(") + 1 : stat.rindex(")")])
             seen[pid] = (kind, cpu_s)
+            if parents is not None:
+                parents.setdefault(pid, int(fields[1]))
         except (FileNotFoundError, ProcessLookupError, ValueError, IndexError):
             continue
+
+
+def _tree(root: int, parents: dict[int, int]) -> set[int]:
+    """``root`` and every process whose recorded parent is in the set (a fixed point: a
+    child may be recorded before its parent's own parent is known)."""
+    tree = {root}
+    grew = True
+    while grew:
+        grew = False
+        for pid, parent in parents.items():
+            if parent in tree and pid not in tree:
+                tree.add(pid)
+                grew = True
+    return tree
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--interval-s", type=float, default=1.0)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--tree", action="store_true", help="count only the command's process tree")
     parser.add_argument("command", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         parser.error("give the command after --")
     seen: dict[int, tuple[str, float]] = {}
+    parents: dict[int, int] = {}
     sample(seen)
     before = dict(seen)  # what ran before the command: its CPU time so far is not the command's
     start_cpu, start = machine_cpu_s(), time.monotonic()
     proc = subprocess.Popen(command)
     while proc.poll() is None:
         time.sleep(args.interval_s)
-        sample(seen)
+        sample(seen, parents)
+    if args.tree:
+        seen = {pid: v for pid, v in seen.items() if pid in _tree(proc.pid, parents)}
     totals: dict[str, list[float]] = {}
     for pid, (kind, cpu_s) in seen.items():
         spent = cpu_s - (before[pid][1] if pid in before else 0.0)

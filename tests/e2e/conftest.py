@@ -35,8 +35,11 @@ def tiny_config(output_dir, *extra: str, example: Path = EXAMPLE, command: str =
     return load(example, tiny_overrides(output_dir, *extra))
 
 
-BASELINE = ("trainer.num_steps=3", "trainer.eval_every_steps=0", "trainer.save_every_steps=0")
-"""The 3-step run several modules compare against (default settings: colocated, fused lm-head)."""
+BASELINE = ("trainer.num_steps=3", "trainer.eval_every_steps=0", "trainer.save_every_steps=0",
+            "trainer.save_final=false")  # fmt: skip
+"""The 3-step run several modules compare against (default settings: colocated, fused lm-head).
+Runs whose checkpoints no test reads set ``save_final=false``: a save spawns megatron's
+checkpoint writer process in the actor (~2 CPU-s a run)."""
 WARM_BASE = ("trainer.num_steps=100", "trainer.seed=1", "trainer.eval_every_steps=0", "trainer.save_every_steps=100",
              "logging.token_diagnostics=false")  # fmt: skip
 """The demo's first 100 steps, the base LoRA_EXAMPLE warms up from (its ``step_000100``, as
@@ -45,7 +48,8 @@ ASYNC = ("rollout.placement=disaggregated", "rollout.max_staleness=1", "rollout.
 """One-step-off rollout (generation ahead of the update)."""
 ASYNC_STEPS = ("trainer.num_steps=5", "trainer.eval_every_steps=3", "trainer.save_every_steps=2")
 """The steps of the one-step-off comparisons (test_async_rollout.py, test_engine_in_driver.py)."""
-KL_RUN = ("trainer.num_steps=3", "trainer.eval_every_steps=0", "trainer.save_every_steps=2", "algorithm.kl_coef=0.01")
+KL_RUN = ("trainer.num_steps=3", "trainer.eval_every_steps=0", "trainer.save_every_steps=2", "trainer.save_final=false",
+          "algorithm.kl_coef=0.01")
 """A 3-step run with a KL term (so a reference policy) and a checkpoint mid-way."""
 
 

@@ -34,7 +34,7 @@ def test_tiny_demo_reward_rises_beyond_noise(seed, mode, tmp_path, ray_session):
     overrides = MODES.get(mode, ("parallel.num_actor_ranks=2", "parallel.expert_model_parallel_size=2"))
     cfg = tiny_config(
         tmp_path, f"trainer.num_steps={NUM_STEPS}", f"trainer.seed={seed}", "trainer.eval_every_steps=0",
-        "trainer.save_every_steps=0", "logging.token_diagnostics=false", *overrides,
+        "trainer.save_every_steps=0", "trainer.save_final=false", "logging.token_diagnostics=false", *overrides,
         **({} if example is None else {"example": example}),
     )  # fmt: skip
     records = train_in_process(cfg)
@@ -57,7 +57,7 @@ def test_lora_over_a_warmed_up_base_raises_the_reward_beyond_noise(tiny_run, tmp
     base = tiny_run(*WARM_BASE).run_dir / "checkpoints" / "step_000100"
     cfg = tiny_config(
         tmp_path, f"trainer.num_steps={NUM_STEPS}", "trainer.seed=1", "trainer.eval_every_steps=0",
-        "trainer.save_every_steps=0", "logging.token_diagnostics=false", f"model.checkpoint={base}",
-        example=LORA_EXAMPLE,
+        "trainer.save_every_steps=0", "trainer.save_final=false", "logging.token_diagnostics=false",
+        f"model.checkpoint={base}", example=LORA_EXAMPLE,
     )  # fmt: skip
     assert_learns([r["rollout/reward/mean"] for r in train_in_process(cfg)], "lora")

@@ -7,7 +7,8 @@ metrics compare the actor with and without replay on identical data."""
 
 from tests.e2e.conftest import MOE_EXAMPLE
 
-STEPS = ("trainer.num_steps=2", "trainer.eval_every_steps=0", "trainer.save_every_steps=0", "rollout.weight_dtype=fp8")
+STEPS = ("trainer.num_steps=2", "trainer.eval_every_steps=0", "trainer.save_every_steps=0", "trainer.save_final=false",
+         "rollout.weight_dtype=fp8")
 
 
 def test_replaying_the_engines_routes_cuts_the_fp8_engines_logprob_mismatch(tiny_run):

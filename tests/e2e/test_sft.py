@@ -50,10 +50,11 @@ def test_an_rl_run_starts_from_the_sft_checkpoint(sft_run, tiny_run):
     _, run_dir = sft_run
     checkpoint = run_dir / "checkpoints" / "step_000060"
     rl = tiny_run("trainer.num_steps=1", "trainer.eval_every_steps=1", "trainer.save_every_steps=0",
-                  "algorithm.kl_coef=0.01", "logging.token_diagnostics=false", "model.init=pretrained",
-                  f"model.checkpoint={checkpoint}").rows[1]  # fmt: skip
+                  "trainer.save_final=false", "algorithm.kl_coef=0.01", "logging.token_diagnostics=false",
+                  "model.init=pretrained", f"model.checkpoint={checkpoint}").rows[1]  # fmt: skip
     random_init = tiny_run("trainer.num_steps=1", "trainer.eval_every_steps=1", "trainer.save_every_steps=0",
-                           "algorithm.kl_coef=0.01", "logging.token_diagnostics=false").rows[1]  # fmt: skip
+                           "trainer.save_final=false", "algorithm.kl_coef=0.01",
+                           "logging.token_diagnostics=false").rows[1]  # fmt: skip
     print("greedy eval reward: after SFT", rl["eval/reward/mean/greedy"], "random init",
           random_init["eval/reward/mean/greedy"])
     # The reference policy is the SFT weights, as is the policy before its first update.

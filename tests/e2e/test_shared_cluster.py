@@ -40,7 +40,8 @@ from tests.helpers.runs import cmdline, descendants, logged_steps, wait_for_step
 
 pytestmark = pytest.mark.e2e
 
-QUICK = ("trainer.eval_every_steps=0", "logging.token_diagnostics=false", "trainer.save_every_steps=0")
+QUICK = ("trainer.eval_every_steps=0", "logging.token_diagnostics=false", "trainer.save_every_steps=0",
+         "trainer.save_final=false")
 
 
 def _cli(out_dir: Path, *extra: str, env: dict | None = None) -> subprocess.Popen:

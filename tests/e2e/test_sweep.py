@@ -15,7 +15,8 @@ NUM_STEPS = 2
 def test_sweep_two_methods_two_seeds(tmp_path):
     out = tmp_path / "sweep"
     overrides = tiny_overrides(tmp_path / "unused", f"trainer.num_steps={NUM_STEPS}", "trainer.eval_every_steps=2",
-                               "trainer.eval_before_train=true", "trainer.save_every_steps=0")  # fmt: skip
+                               "trainer.eval_before_train=true", "trainer.save_every_steps=0",
+                               "trainer.save_final=false")  # fmt: skip
     cmd = [sys.executable, "-m", "megatron_rl", "sweep", str(EXAMPLE), *overrides,
            "--methods", "grpo,ar", "--seeds", "2", "--out", str(out), "--threshold", "0.0", "--jobs", "2"]  # fmt: skip
     proc = run_job(cmd, cwd=ROOT, timeout_s=1200)

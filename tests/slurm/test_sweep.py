@@ -26,7 +26,7 @@ def ray_env():
 def test_sweep_runs_each_method_as_a_job(local_slurm, tmp_path, ray_env):
     out = tmp_path / "sweep"
     overrides = tiny_overrides(tmp_path / "unused", f"trainer.num_steps={NUM_STEPS}", "trainer.eval_every_steps=0",
-                               "trainer.save_every_steps=0")  # fmt: skip
+                               "trainer.save_every_steps=0", "trainer.save_final=false")  # fmt: skip
     sbatch_args = f"--nodes=1 --gpus-per-node=0 --time=10 --chdir={tmp_path}"
     cmd = [sys.executable, "-m", "megatron_rl", "sweep", str(EXAMPLE), *overrides, "--methods", "grpo,ar",
            "--seeds", "1", "--out", str(out), "--launcher", "slurm", f"--sbatch-args={sbatch_args}",

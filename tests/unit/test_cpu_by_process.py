@@ -57,3 +57,23 @@ def test_a_busy_child_is_counted(tmp_path):
     child = [r for r in lines[:-1] if r["kind"] == f"other: {Path(sys.executable).name}"]
     assert child and 1.2 <= child[0]["cpu_s"] <= 2.5, lines
     assert total["machine_cpu_s"] >= 1.2
+
+
+def test_tree_counts_only_the_commands_processes(tmp_path):
+    """``--tree``: a busy process outside the command's tree (here started before it, of the
+    same kind) is left out; the command's grandchild is counted."""
+    out = tmp_path / "cpu.json"
+    busy = "import time\nt = time.process_time()\nwhile time.process_time() - t < {}: pass"
+    outsider = subprocess.Popen([sys.executable, "-c", busy.format(4.0)])
+    try:
+        # The command is a shell whose child (the grandchild of the tool) burns 1.5 CPU-s.
+        inner = f"{sys.executable} -c '{busy.format(1.5)}'"
+        cmd = [sys.executable, str(ROOT / "tools" / "cpu_by_process.py"), "--tree", "--interval-s", "0.2",
+               "--out", str(out), "--", "bash", "-c", f"{inner}; true"]  # fmt: skip
+        assert subprocess.run(cmd, capture_output=True, timeout=60).returncode == 0
+    finally:
+        outsider.kill()
+        outsider.wait()
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    python = [r for r in lines[:-1] if r["kind"] == f"other: {Path(sys.executable).name}"]
+    assert python and 1.2 <= python[0]["cpu_s"] <= 2.5 and python[0]["processes"] == 1, lines

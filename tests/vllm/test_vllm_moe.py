@@ -95,7 +95,7 @@ def test_moe_actor_at_ep2_learns_with_vllm_and_the_logprobs_agree(tmp_path):
     shared_ray("e2e")  # a CPU cluster (the vLLM tier's has stand-in GPUs, which the builder would place on)
     config = tiny_config(
         tmp_path, f"trainer.num_steps={TRAIN_STEPS}", "trainer.eval_every_steps=0", "trainer.save_every_steps=0",
-        "trainer.seed=1", "logging.token_diagnostics=false",
+        "trainer.save_final=false", "trainer.seed=1", "logging.token_diagnostics=false",
         "model.tiny.hidden_size=128", "model.tiny.num_attention_heads=2", "model.tiny.num_key_value_heads=2",
         "rollout.engine=vllm", "rollout.engine_args={dtype: float32, max_model_len: 64, kv_cache_memory_bytes: 67108864}",
         "rollout.weight_transport=collective", "parallel.num_actor_ranks=2", "parallel.expert_model_parallel_size=2",

@@ -126,8 +126,9 @@ def test_tensor_parallel_engines_train_colocated_and_disaggregated(tmp_path):
     try:
         for placement, steps in (("colocated", TP2_STEPS), ("disaggregated", DISAGGREGATED_STEPS)):
             tag = uuid.uuid4().hex
-            args = (f"trainer.num_steps={steps}", "trainer.save_every_steps=0", "trainer.eval_every_steps=0",
-                    "rollout.tensor_parallel_size=2", f"rollout.placement={placement}")  # fmt: skip
+            args = (f"trainer.num_steps={steps}", "trainer.save_every_steps=0", "trainer.save_final=false",
+                    "trainer.eval_every_steps=0", "rollout.tensor_parallel_size=2",
+                    f"rollout.placement={placement}")  # fmt: skip
             runs[placement] = (_train(tmp_path / placement, tag, log=tmp_path / f"{placement}.log", args=args), tag)
         for placement, (proc, tag) in runs.items():
             assert proc.wait(timeout=1200) == 0, (tmp_path / f"{placement}.log").read_text()[-4000:]
