@@ -58,9 +58,17 @@ def machine_cpu_s() -> float:
     return busy / TICK
 
 
-def sample(seen: dict[int, tuple[str, float]], parents: dict[int, int] | None = None) -> None:
-    """Read every process's kind and CPU seconds into ``seen``; its parent, when first seen,
-    into ``parents``."""
+Proc = tuple[int, int]
+"""A process: its pid and its start time (clock ticks after boot). Pids are reused: a long
+run (a CI) wraps them, and a reading keyed by pid alone would replace an exited process's."""
+
+
+def sample(
+    seen: dict[Proc, tuple[str, float]], latest: dict[int, Proc], parents: dict[Proc, Proc | None] | None = None
+) -> None:
+    """Read every live process's kind and CPU seconds into ``seen``; ``latest`` maps each pid
+    to the process holding it now; ``parents`` (when given) gets each new process's parent."""
+    new: list[tuple[Proc, int]] = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -69,6 +77,7 @@ def sample(seen: dict[int, tuple[str, float]], parents: dict[int, int] | None = 
             with open(f"/proc/{pid}/stat") as f:
                 stat = f.read()
             fields = stat[stat.rindex(")") + 2 :].split()
+            proc, ppid = (pid, int(fields[19])), int(fields[1])  # starttime, ppid
             cpu_s = (int(fields[11]) + int(fields[12])) / TICK  # utime, stime
             # Read each time: Ray renames its workers (ray::IDLE, then ray::<ActorClass>.<method>).
             with open(f"/proc/{pid}/cmdline", "rb") as f:
@@ -76,27 +85,30 @@ def sample(seen: dict[int, tuple[str, float]], parents: dict[int, int] | None = 
             if cmdline:
                 kind = kind_of(cmdline)
                 if kind.startswith("multiprocessing"):  # named by its parent: the cost is the parent's
-                    parent = seen.get(int(fields[1]), ("?",))[0]
-                    kind = seen[pid][0] if pid in seen else f"{kind} of {parent}"
+                    parent = seen.get(latest.get(ppid), ("?",))[0]
+                    kind = seen[proc][0] if proc in seen else f"{kind} of {parent}"
             else:  # an exiting process has none: keep what it was
-                kind = seen[pid][0] if pid in seen else kind_of(stat[stat.index("(") + 1 : stat.rindex(")")])
-            seen[pid] = (kind, cpu_s)
-            if parents is not None:
-                parents.setdefault(pid, int(fields[1]))
+                kind = seen[proc][0] if proc in seen else kind_of(stat[stat.index("(") + 1 : stat.rindex(")")])
+            seen[proc] = (kind, cpu_s)
+            latest[pid] = proc
+            if parents is not None and proc not in parents:
+                new.append((proc, ppid))
         except (FileNotFoundError, ProcessLookupError, ValueError, IndexError):
             continue
+    for proc, ppid in new:  # after the pass: a parent listed after its child is known by now
+        parents[proc] = latest.get(ppid)
 
 
-def _tree(root: int, parents: dict[int, int]) -> set[int]:
+def _tree(root: Proc | None, parents: dict[Proc, Proc | None]) -> set[Proc]:
     """``root`` and every process whose recorded parent is in the set (a fixed point: a
     child may be recorded before its parent's own parent is known)."""
-    tree = {root}
+    tree = {root} if root is not None else set()
     grew = True
     while grew:
         grew = False
-        for pid, parent in parents.items():
-            if parent in tree and pid not in tree:
-                tree.add(pid)
+        for proc, parent in parents.items():
+            if parent in tree and proc not in tree:
+                tree.add(proc)
                 grew = True
     return tree
 
@@ -111,23 +123,25 @@ def main(argv: list[str] | None = None) -> int:
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         parser.error("give the command after --")
-    seen: dict[int, tuple[str, float]] = {}
-    parents: dict[int, int] = {}
-    sample(seen)
+    seen: dict[Proc, tuple[str, float]] = {}
+    latest: dict[int, Proc] = {}
+    parents: dict[Proc, Proc | None] = {}
+    sample(seen, latest)
     before = dict(seen)  # what ran before the command: its CPU time so far is not the command's
     start_cpu, start = machine_cpu_s(), time.monotonic()
     proc = subprocess.Popen(command)
     while proc.poll() is None:
         time.sleep(args.interval_s)
-        sample(seen, parents)
+        sample(seen, latest, parents)
     if args.tree:
-        seen = {pid: v for pid, v in seen.items() if pid in _tree(proc.pid, parents)}
+        tree = _tree(latest.get(proc.pid), parents)
+        seen = {p: v for p, v in seen.items() if p in tree}
     totals: dict[str, list[float]] = {}
-    for pid, (kind, cpu_s) in seen.items():
-        spent = cpu_s - (before[pid][1] if pid in before else 0.0)
+    for p, (kind, cpu_s) in seen.items():
+        spent = cpu_s - (before[p][1] if p in before else 0.0)
         entry = totals.setdefault(kind, [0.0, 0])
         entry[0] += spent
-        entry[1] += pid not in before
+        entry[1] += p not in before
     lines = [{"kind": k, "cpu_s": round(v[0], 1), "processes": v[1]} for k, v in totals.items() if v[0] >= 0.5]
     lines.sort(key=lambda r: -r["cpu_s"])
     machine = machine_cpu_s() - start_cpu

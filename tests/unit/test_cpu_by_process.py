@@ -8,7 +8,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tools"))
-from cpu_by_process import kind_of  # noqa: E402
+from cpu_by_process import _tree, kind_of  # noqa: E402
 
 
 def test_kinds_are_read_from_the_command_line():
@@ -77,3 +77,11 @@ def test_tree_counts_only_the_commands_processes(tmp_path):
     lines = [json.loads(line) for line in out.read_text().splitlines()]
     python = [r for r in lines[:-1] if r["kind"] == f"other: {Path(sys.executable).name}"]
     assert python and 1.2 <= python[0]["cpu_s"] <= 2.5 and python[0]["processes"] == 1, lines
+
+
+def test_a_reused_pid_is_another_process():
+    """Processes are (pid, start time): pid 10 held first by a child of the command, later by
+    an outsider's child; only the first is in the command's tree."""
+    parents = {(1, 0): None, (10, 5): (1, 0), (10, 900): (2, 0), (11, 950): (10, 900), (12, 60): (10, 5)}
+    assert _tree((1, 0), parents) == {(1, 0), (10, 5), (12, 60)}
+    assert _tree(None, parents) == set()  # the command ended before the first reading
