@@ -11,12 +11,13 @@ The command line over :mod:`megatron_rl.models.convert.hf_mcore` (which the modu
 explains: layouts, streaming, atomic output). ``--tp`` only chooses the vocabulary padding
 and, with ``--pp``, ``--ep`` and ``--etp``, what the model's head, group, layer and expert
 counts and expert width are checked against: the checkpoint loads at any TP/PP/EP/ETP. A
-LoRA run's checkpoint converts with its adapters merged into the weights (``--out``) and/or as a PEFT adapter (``--peft-out``),
-from the settings its ``actor_state.json`` records. ``tools/convert_hf_to_mcore.py`` and
-``tools/convert_mcore_to_hf.py`` reuse the argument helpers here. Bad input is exit code 1
-with ``error: ...`` (naming the file and tensor) on stderr, and so is a full disk (the
-partial output is removed); a :class:`~megatron_rl.models.convert.hf_mcore.ConversionWarning` (e.g.
-no tokenizer files to keep) is one ``warning: ...`` line.
+LoRA run's checkpoint converts with its adapters merged into the weights (``--out``) and/or
+as a PEFT adapter (``--peft-out``), from the settings its ``actor_state.json`` records.
+``tools/convert_hf_to_mcore.py`` and ``tools/convert_mcore_to_hf.py`` reuse the argument
+helpers here. Bad input is exit code 1 with ``error: ...`` (naming the file and tensor) on
+stderr, and so is a full disk (the partial output is removed); a
+:class:`~megatron_rl.models.convert.hf_mcore.ConversionWarning` (e.g. no tokenizer files to
+keep) is one ``warning: ...`` line.
 """
 
 from __future__ import annotations

@@ -14,10 +14,9 @@ Where the runs go (``--launcher``):
 - ``local`` (default; a CPU machine, one node): each run in its own process (a clean Ray
   and megatron state), ``--jobs`` at a time (default 1: one after the other), started in
   plan order. Runs at once need cores of their own: each run's engine and actor use
-  torch's threads, and on a 2-core machine two K&K runs (examples/kk_cpu/rl.yaml) at once
-  took 85-104 s per step each against 17-20 s alone (docs/trainer.md). A run refused as a
-  bad config (exit code 2) starts no further run (the running ones finish) and the sweep
-  exits with that code.
+  torch's threads, so on a small machine runs at once are slower than one after the other
+  (measured in docs/trainer.md). A run refused as a bad config (exit code 2) starts no
+  further run (the running ones finish) and the sweep exits with that code.
 - ``slurm`` (a cluster): every run is its own job, ``sbatch [--sbatch-args] SCRIPT CONFIG
   OVERRIDES`` with ``SCRIPT`` = ``slurm/train.sbatch`` (a Ray cluster over the job's
   nodes, the trainer as its driver; docs/multinode.md), all submitted at once, so they
