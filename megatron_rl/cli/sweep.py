@@ -1,7 +1,8 @@
 """``megatron-rl sweep``: train one config with several methods x seeds, then compare them.
 
     megatron-rl sweep CONFIG --methods grpo,ar,lopti,ar_lopti,stapo,tr_grpo --seeds 3
-                      [--out DIR] [--threshold 0.9] [--threshold-key KEY] [--dry-run]
+                      [--out DIR] [--threshold 0.9] [--threshold-key KEY] [--threshold-window N]
+                      [--tail-fraction F] [--dry-run]
                       [--launcher local [--jobs N] | slurm [--sbatch-args '...'] [--sbatch-script F]
                       [--poll-s S]] [section.field=value ...]
 
@@ -107,6 +108,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--threshold-key", default="eval/accuracy/mean", help="metric of 'steps to threshold' (default: %(default)s)"
     )
     parser.add_argument("--threshold", type=float, default=0.9, help="its threshold (default: %(default)s)")
+    parser.add_argument(
+        "--threshold-window",
+        type=int,
+        default=1,
+        help="compare the mean of the metric's last N logged values with the threshold (smooths a per-step "
+        "metric such as rollout/reward/mean) (default: %(default)s: the value itself)",
+    )
+    parser.add_argument(
+        "--tail-fraction",
+        type=float,
+        default=0.1,
+        help="final reward and entropy: means over this last fraction of the steps (default: %(default)s)",
+    )
     parser.add_argument(
         "--methods-dir",
         default=None,
@@ -226,6 +240,10 @@ def plan_runs(args: argparse.Namespace) -> tuple[Path, list[Run], Any]:
         raise ConfigError("--seeds", f"must be >= 1, got {args.seeds}")
     if args.jobs < 1:
         raise ConfigError("--jobs", f"must be >= 1, got {args.jobs}")
+    if args.threshold_window < 1:
+        raise ConfigError("--threshold-window", f"must be >= 1, got {args.threshold_window}")
+    if not 0 < args.tail_fraction <= 1:
+        raise ConfigError("--tail-fraction", f"must be in (0, 1], got {args.tail_fraction}")
     if args.jobs > 1 and args.launcher != "local":
         raise ConfigError("--jobs", f"applies to --launcher local; the {args.launcher} launcher runs every job at once")
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
@@ -289,9 +307,12 @@ def run(args: argparse.Namespace) -> int:
     if not done:
         print("error: no run produced metrics; " + "; ".join(failed), file=sys.stderr)
         return EXIT_FAILURE
+    compared = (f"--threshold-key {args.threshold_key} --threshold {args.threshold:g} "
+                f"--threshold-window {args.threshold_window} --tail-fraction {args.tail_fraction:g}")  # fmt: skip
     header = "Runs: `megatron-rl sweep " + " ".join([args.config, *args.overrides]) + f" --methods {args.methods} "
-    header += f"--seeds {args.seeds}`" + (f"\n\nFailed: {'; '.join(failed)}" if failed else "")
-    paths = write_comparison(out, done, threshold_key=args.threshold_key, threshold=args.threshold, header=header,
+    header += f"--seeds {args.seeds} {compared}`" + (f"\n\nFailed: {'; '.join(failed)}" if failed else "")
+    paths = write_comparison(out, done, threshold_key=args.threshold_key, threshold=args.threshold,
+                             threshold_window=args.threshold_window, tail_fraction=args.tail_fraction, header=header,
                              baseline=BASELINE)  # fmt: skip
     print((out / "comparison.md").read_text(encoding="utf-8"))
     for p in paths:

@@ -4,8 +4,13 @@ Input: run directories (each with a ``metrics.jsonl``), labelled by method and s
 ``megatron-rl sweep`` writes them. Per run (:func:`summarize_run`):
 
 - ``final_accuracy``: the last logged ``eval/accuracy/mean`` (greedy eval accuracy);
+  ``final_sampled_accuracy``: the last ``eval/accuracy/mean/sampled`` (one response per
+  prompt at the rollout temperature), where the evaluation logs it;
 - ``steps_to_threshold``: the first logged step whose ``threshold_key`` (default
-  ``eval/accuracy/mean``) reaches ``threshold``; ``None`` when it never does;
+  ``eval/accuracy/mean``) reaches ``threshold``, as the mean of its last
+  ``threshold_window`` logged values (1: the value itself; more smooth a per-step metric
+  such as the training reward, which one lucky batch would otherwise cross); ``None``
+  when it never does;
 - ``final_reward`` / ``final_entropy``: the mean of ``rollout/reward/mean`` /
   ``loss/entropy`` over the last ``tail_fraction`` of the logged steps (at least one);
 - ``low_quartile_grad_share``: the mean over the run's steps with a gradient of
@@ -22,7 +27,7 @@ Per method (:func:`aggregate`): the mean over seeds and its standard error
 ``s / sqrt(n)`` (``s`` the sample standard deviation, ``n - 1`` degrees of freedom;
 ``None`` for one seed). ``steps_to_threshold`` is averaged over the seeds that reached
 the threshold, and how many did is reported beside it. Given a baseline method (the
-sweep's ``grpo``), each other method's final accuracy and final reward are tested against
+sweep's ``grpo``), each other method's final accuracies and final reward are tested against
 the baseline's with Welch's two-sided t-test over seeds (unequal variances; ``None`` with
 fewer than two seeds on either side or no variance on both).
 """
@@ -44,6 +49,7 @@ from megatron_rl.observability.metrics import read_metrics
 from megatron_rl.observability.plots import NUM_BINS, series
 
 ACCURACY_KEY = "eval/accuracy/mean"
+SAMPLED_ACCURACY_KEY = "eval/accuracy/mean/sampled"
 REWARD_KEY = "rollout/reward/mean"
 ENTROPY_KEY = "loss/entropy"
 LOW_SHARE_KEY = f"{QUARTILE_GROUPS[0].prefix}/grad_share"
@@ -75,8 +81,11 @@ class RunSummary:
     """The last logged step."""
     final_accuracy: float | None
     """The last logged ``eval/accuracy/mean``."""
+    final_sampled_accuracy: float | None
+    """The last logged ``eval/accuracy/mean/sampled``."""
     steps_to_threshold: int | None
-    """First step whose threshold metric reached the threshold."""
+    """First step whose threshold metric (mean of its last ``threshold_window`` values)
+    reached the threshold."""
     final_reward: float | None
     """Mean ``rollout/reward/mean`` over the last ``tail_fraction`` of steps."""
     final_entropy: float | None
@@ -124,6 +133,14 @@ def _tail_mean(records: Sequence[dict[str, Any]], key: str, tail_fraction: float
     return statistics.fmean(values[-n:])
 
 
+def _first_step_reaching(records: Sequence[dict[str, Any]], key: str, threshold: float, window: int) -> int | None:
+    steps, values = series(records, key)
+    for i in range(window - 1, len(values)):
+        if statistics.fmean(values[i - window + 1 : i + 1]) >= threshold:
+            return int(steps[i])
+    return None
+
+
 def _quartiles_at_start(records: Sequence[dict[str, Any]], name: str, *, need_gradient: bool) -> list[float] | None:
     keys = [f"{g.prefix}/{name}" for g in QUARTILE_GROUPS]
     for r in records:
@@ -133,12 +150,19 @@ def _quartiles_at_start(records: Sequence[dict[str, Any]], name: str, *, need_gr
 
 
 def summarize_run(
-    label: RunLabel, *, threshold_key: str = ACCURACY_KEY, threshold: float = 0.9, tail_fraction: float = 0.1
+    label: RunLabel,
+    *,
+    threshold_key: str = ACCURACY_KEY,
+    threshold: float = 0.9,
+    threshold_window: int = 1,
+    tail_fraction: float = 0.1,
 ) -> RunSummary:
     """The :class:`RunSummary` of one run directory (module docstring)."""
+    if threshold_window < 1:
+        raise ValueError(f"threshold_window must be >= 1, got {threshold_window}")
     records = read_metrics(Path(label.run_dir) / "metrics.jsonl")
     _, acc = series(records, ACCURACY_KEY)
-    reached = [s for s, v in zip(*series(records, threshold_key)) if v >= threshold]
+    _, sampled = series(records, SAMPLED_ACCURACY_KEY)
     shares = [
         r[LOW_SHARE_KEY] for r in records if (r.get(GRAD_NORM_SUM_KEY) or 0) > 0 and r.get(LOW_SHARE_KEY) is not None
     ]
@@ -148,7 +172,8 @@ def summarize_run(
         run_dir=str(label.run_dir),
         last_step=int(records[-1]["step"]) if records else 0,
         final_accuracy=acc[-1] if acc else None,
-        steps_to_threshold=reached[0] if reached else None,
+        final_sampled_accuracy=sampled[-1] if sampled else None,
+        steps_to_threshold=_first_step_reaching(records, threshold_key, threshold, threshold_window),
         final_reward=_tail_mean(records, REWARD_KEY, tail_fraction),
         final_entropy=_tail_mean(records, ENTROPY_KEY, tail_fraction),
         low_quartile_grad_share=statistics.fmean(shares) if shares else None,
@@ -167,7 +192,9 @@ class MethodSummary:
     seeds: list[int]
     """The seeds summarised."""
     final_accuracy: Stat
-    """Final eval accuracy over seeds."""
+    """Final (greedy) eval accuracy over seeds."""
+    final_sampled_accuracy: Stat
+    """Final sampled eval accuracy over seeds (no values where the evaluation logs none)."""
     steps_to_threshold: Stat
     """Steps to the threshold, over the seeds that reached it."""
     num_reached: int
@@ -186,6 +213,8 @@ class MethodSummary:
     """Run wall time over seeds."""
     accuracy_p_value: float | None
     """Welch's two-sided p-value of final accuracy against the baseline method's."""
+    sampled_accuracy_p_value: float | None
+    """Welch's two-sided p-value of final sampled accuracy against the baseline method's."""
     reward_p_value: float | None
     """Welch's two-sided p-value of final reward against the baseline method's."""
 
@@ -209,18 +238,21 @@ def aggregate(summaries: Sequence[RunSummary], *, baseline: str | None = None) -
     methods = list(dict.fromkeys(s.method for s in summaries))
     base = [s for s in summaries if s.method == baseline]
     base_acc = Stat.of([s.final_accuracy for s in base]).values
+    base_sampled = Stat.of([s.final_sampled_accuracy for s in base]).values
     base_reward = Stat.of([s.final_reward for s in base]).values
     out = []
     for m in methods:
         runs = [s for s in summaries if s.method == m]
         steps = [s.steps_to_threshold for s in runs]
         acc, reward = Stat.of([s.final_accuracy for s in runs]), Stat.of([s.final_reward for s in runs])
+        sampled = Stat.of([s.final_sampled_accuracy for s in runs])
         tested = bool(base) and m != baseline
         out.append(
             MethodSummary(
                 method=m,
                 seeds=[s.seed for s in runs],
                 final_accuracy=acc,
+                final_sampled_accuracy=sampled,
                 steps_to_threshold=Stat.of(steps),
                 num_reached=sum(v is not None for v in steps),
                 final_reward=reward,
@@ -230,6 +262,7 @@ def aggregate(summaries: Sequence[RunSummary], *, baseline: str | None = None) -
                 start_q1_grad_share=Stat.of([_q1(s.start_quartile_grad_share) for s in runs]),
                 wall_s=Stat.of([s.wall_s for s in runs]),
                 accuracy_p_value=welch_p_value(acc.values, base_acc) if tested else None,
+                sampled_accuracy_p_value=welch_p_value(sampled.values, base_sampled) if tested else None,
                 reward_p_value=welch_p_value(reward.values, base_reward) if tested else None,
             )
         )
@@ -241,16 +274,27 @@ def _p_text(p: float | None) -> str:
 
 
 def comparison_markdown(
-    methods: Sequence[MethodSummary], *, threshold_key: str, threshold: float, baseline: str | None = None
+    methods: Sequence[MethodSummary],
+    *,
+    threshold_key: str,
+    threshold: float,
+    threshold_window: int = 1,
+    baseline: str | None = None,
 ) -> str:
     """The comparison table as Markdown (means ± standard errors over seeds; the p-values
-    against ``baseline``, as :func:`aggregate` computed them, when one is given)."""
-    header = ["method", "seeds", "final accuracy", f"steps to {threshold_key} >= {threshold:g} (reached)",
+    against ``baseline``, as :func:`aggregate` computed them, when one is given). The sampled
+    accuracy gets a column (and a p-value) when some run logged it."""
+    with_sampled = any(m.final_sampled_accuracy.values for m in methods)
+    window = f" (mean of {threshold_window} values)" if threshold_window > 1 else ""
+    header = ["method", "seeds", "final accuracy", f"steps to {threshold_key}{window} >= {threshold:g} (reached)",
               "final reward", "final entropy", "q1 gradient share", "q1 mean p at start",
               "q1 gradient share at start", "wall s/run"]  # fmt: skip
-    p_column = 4  # after the steps to the threshold
+    if with_sampled:
+        header.insert(3, "final sampled accuracy")
+    p_column = header.index("final reward")  # after the steps to the threshold
     if baseline:
-        header.insert(p_column, f"p vs {baseline} (accuracy / reward)")
+        tested = "accuracy / sampled / reward" if with_sampled else "accuracy / reward"
+        header.insert(p_column, f"p vs {baseline} ({tested})")
     rows = [header]
     for m in methods:
         steps = m.steps_to_threshold
@@ -262,8 +306,12 @@ def comparison_markdown(
         row = [m.method, str(len(m.seeds)), m.final_accuracy.text(), f"{steps_text} ({m.num_reached}/{len(m.seeds)})",
                m.final_reward.text(), m.final_entropy.text(), m.low_quartile_grad_share.text(),
                m.start_q1_mean_p.text(), m.start_q1_grad_share.text(), m.wall_s.text(0)]  # fmt: skip
+        p_values = [m.accuracy_p_value, m.reward_p_value]
+        if with_sampled:
+            row.insert(3, m.final_sampled_accuracy.text())
+            p_values.insert(1, m.sampled_accuracy_p_value)
         if baseline:
-            row.insert(p_column, f"{_p_text(m.accuracy_p_value)} / {_p_text(m.reward_p_value)}")
+            row.insert(p_column, " / ".join(_p_text(p) for p in p_values))
         rows.append(row)
     lines = ["| " + " | ".join(cells) + " |" for cells in rows]
     lines.insert(1, "|" + "---|" * len(header))
@@ -276,6 +324,7 @@ def write_comparison(
     *,
     threshold_key: str = ACCURACY_KEY,
     threshold: float = 0.9,
+    threshold_window: int = 1,
     tail_fraction: float = 0.1,
     header: str = "",
     baseline: str | None = None,
@@ -288,29 +337,35 @@ def write_comparison(
     """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    runs = [summarize_run(lb, threshold_key=threshold_key, threshold=threshold, tail_fraction=tail_fraction)
-            for lb in labels]  # fmt: skip
+    runs = [summarize_run(lb, threshold_key=threshold_key, threshold=threshold, threshold_window=threshold_window,
+                          tail_fraction=tail_fraction) for lb in labels]  # fmt: skip
     methods = aggregate(runs, baseline=baseline)
-    table = comparison_markdown(methods, threshold_key=threshold_key, threshold=threshold, baseline=baseline)
-    notes = (
-        f"Means ± standard errors over seeds. Final accuracy: the last `{ACCURACY_KEY}`; final reward and "
-        f"entropy: means over the last {tail_fraction:.0%} of steps; q1 gradient share: the lowest-p_old "
-        "quartile's share of the logit-gradient norm, averaged over the steps with a gradient; steps to the "
-        "threshold: over the seeds that reached it. q1 at start: the lowest-p_old quartile's mean p at the first "
-        "step and its gradient share at the first step with a gradient."
-        + (
-            f" p vs {baseline}: Welch's two-sided t-test over seeds of final accuracy and final reward."
-            if baseline
-            else ""
-        )
-        + "\n"
-    )
+    table = comparison_markdown(methods, threshold_key=threshold_key, threshold=threshold,
+                                threshold_window=threshold_window, baseline=baseline)  # fmt: skip
+    with_sampled = any(m.final_sampled_accuracy.values for m in methods)
+    sampled = f"; final sampled accuracy: the last `{SAMPLED_ACCURACY_KEY}`" if with_sampled else ""
+    window = f", the first step where the mean of its last {threshold_window} values reaches it" \
+        if threshold_window > 1 else ""  # fmt: skip
+    notes = [
+        "Means ± standard errors over seeds.",
+        f"Final accuracy: the last `{ACCURACY_KEY}` (greedy){sampled}; final reward and entropy: means over the "
+        f"last {tail_fraction:.0%} of steps; q1 gradient share: the lowest-p_old quartile's share of the "
+        "logit-gradient norm, averaged over the steps with a gradient; steps to the threshold: over the seeds "
+        f"that reached it{window}.",
+        "q1 at start: the lowest-p_old quartile's mean p at the first step and its gradient share at the first "
+        "step with a gradient.",
+    ]
+    if baseline:
+        notes.append(f"p vs {baseline}: Welch's two-sided t-test over seeds of the final accuracies and final reward.")
     md = out_dir / "comparison.md"
-    md.write_text((header.rstrip() + "\n\n" if header else "") + table + "\n" + notes, encoding="utf-8")
+    md.write_text(
+        (header.rstrip() + "\n\n" if header else "") + table + "\n" + " ".join(notes) + "\n", encoding="utf-8"
+    )
     js = out_dir / "comparison.json"
     payload = {
         "threshold_key": threshold_key,
         "threshold": threshold,
+        "threshold_window": threshold_window,
         "tail_fraction": tail_fraction,
         "methods": [asdict(m) for m in methods],
         "runs": [asdict(r) for r in runs],

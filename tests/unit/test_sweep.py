@@ -60,8 +60,8 @@ def test_method_names_join_registered_methods():
 def _args(tmp_path, *overrides, methods="grpo,ar_lopti,stapo", seeds=2):
     return argparse.Namespace(
         config=str(ROOT / "examples" / "tiny_cpu.yaml"), overrides=list(overrides), methods=methods, seeds=seeds,
-        out=str(tmp_path / "sweep"), threshold_key="eval/accuracy/mean", threshold=0.9, methods_dir=str(PAPER),
-        dry_run=True, launcher="local", jobs=1, sbatch_args="", sbatch_script=None, poll_s=30.0,
+        out=str(tmp_path / "sweep"), threshold_key="eval/accuracy/mean", threshold=0.9, threshold_window=1,
+        tail_fraction=0.1, methods_dir=str(PAPER), dry_run=True, launcher="local", jobs=1, sbatch_args="", sbatch_script=None, poll_s=30.0,
     )  # fmt: skip
 
 
@@ -109,6 +109,9 @@ def test_cli_dry_run_and_usage_errors(tmp_path, capsys):
     assert main(["sweep", cfg, "--methods", "grpo,nope", "--dry-run"]) == 2
     assert main(["sweep", cfg, "--seeds", "0", "--dry-run"]) == 2
     assert main(["sweep", cfg, "--jobs", "0", "--dry-run"]) == 2
+    assert main(["sweep", cfg, "--threshold-window", "0", "--dry-run"]) == 2
+    assert main(["sweep", cfg, "--tail-fraction", "0", "--dry-run"]) == 2
+    assert "'--tail-fraction': must be in (0, 1]" in capsys.readouterr().err
     assert main(["sweep", cfg, "--jobs", "2", "--launcher", "slurm", "--dry-run"]) == 2
     assert "'--jobs': applies to --launcher local" in capsys.readouterr().err
     assert not any(tmp_path.iterdir())
@@ -204,6 +207,40 @@ def test_the_start_of_rl_and_welchs_test_against_grpo(tmp_path):
         aggregate(runs)[1].accuracy_p_value is None
         and "p vs" not in write_comparison(tmp_path / "x", labels)[0].read_text()
     )
+
+
+def test_a_smoothed_threshold_the_tail_and_the_sampled_accuracy(tmp_path):
+    rewards = [0.1, 0.95, 0.2, 0.9, 0.95, 0.97]  # one lucky step 2, then a sustained rise from step 4
+    rows = [{"rollout/reward/mean": r, "loss/entropy": float(i)} for i, r in enumerate(rewards, 1)]
+    rows[-1] |= {"eval/accuracy/mean": 0.5, "eval/accuracy/mean/sampled": 0.25}
+    run = _write_run(tmp_path / "grpo" / "seed1", rows)
+    key = "rollout/reward/mean"
+    assert summarize_run(run, threshold_key=key, threshold=0.9).steps_to_threshold == 2
+    # window 3: step 6 is the first whose last three values average >= 0.9 (0.94; step 5's: 0.683)
+    assert summarize_run(run, threshold_key=key, threshold=0.9, threshold_window=3).steps_to_threshold == 6
+    assert summarize_run(run, threshold_key=key, threshold=0.9, threshold_window=7).steps_to_threshold is None
+    with pytest.raises(ValueError, match="threshold_window"):
+        summarize_run(run, threshold_window=0)
+    half = summarize_run(run, tail_fraction=0.5)  # the last 3 of 6 steps
+    assert half.final_reward == pytest.approx(statistics.fmean(rewards[3:])) and half.final_entropy == 5.0
+    assert (half.final_accuracy, half.final_sampled_accuracy) == (0.5, 0.25)
+
+    # With a baseline: the sampled accuracy gets a column and a Welch p-value of its own.
+    grpo_sampled, ar_sampled = [0.10, 0.12, 0.11], [0.20, 0.23, 0.21]
+    labels = []
+    for method, sampled in (("grpo", grpo_sampled), ("ar", ar_sampled)):
+        for i, a in enumerate(sampled):
+            rows = _rows({10: 0.3 + i / 100})
+            rows[-1]["eval/accuracy/mean/sampled"] = a
+            labels.append(_write_run(tmp_path / "cmp" / method / f"seed{i}", rows))
+    grpo, ar = aggregate([summarize_run(lb) for lb in labels], baseline="grpo")
+    want = scipy_stats.ttest_ind(ar_sampled, grpo_sampled, equal_var=False).pvalue
+    assert ar.sampled_accuracy_p_value == pytest.approx(want) and grpo.sampled_accuracy_p_value is None
+    assert ar.accuracy_p_value == 1.0 and ar.reward_p_value is None  # the same greedy values; rewards constant
+    md = write_comparison(tmp_path / "out", labels, baseline="grpo", threshold_window=2)[0].read_text()
+    assert "| final accuracy | final sampled accuracy | steps to eval/accuracy/mean (mean of 2 values) >= 0.9" in md
+    assert f"| ar | 3 | 0.310 ± 0.006 | {ar.final_sampled_accuracy.text()} |" in md
+    assert f"| 1.000 / {want:.3f} / - |" in md  # p vs grpo (accuracy / sampled / reward)
 
 
 # --------------------------------------------------------------------------- --launcher slurm
