@@ -4,9 +4,10 @@
 
 Every ``--interval-s`` it reads each process's user + system time (``/proc/PID/stat``, the
 process's own, not its children's: each process is counted once) and its command line, which
-names its kind (``KINDS``: a Ray actor by its class, a torchrun rank by its script, a CLI run,
-Ray's own daemons, ...). A process's last reading counts when it exits, so one that lives less
-than an interval is missed: the machine's whole CPU time over the same span (``/proc/stat``)
+names its kind (``KINDS``: a Ray actor by its class, a torchrun rank by its script, the ranks
+of ``tests/helpers/fork_ranks.py`` and their launcher by theirs, a CLI run, Ray's own
+daemons, ...). A process's last reading counts when it exits, so one that lives less than an
+interval is missed: the machine's whole CPU time over the same span (``/proc/stat``)
 is printed beside the sum, and the difference as ``unsampled``. ``--tree`` counts only the
 command's own process tree (a process whose parent, when first seen, is in it), so a
 measurement is not mixed with whatever else the machine runs. Prints one JSON line per kind,
@@ -27,6 +28,7 @@ _KIND_PATTERNS = r"""
 ray idle worker         ^ray::IDLE
 ray actor               ^ray::(\w+)
 ray daemons             raylet|gcs_server|dashboard|log_monitor|runtime_env|ray/_private|monitor\.py
+forked ranks            tests/helpers/fork_ranks\.py \d+ \S*?(\w+)\.py
 torchrun rank           tests/helpers/(\w+)\.py
 torchrun launcher       torch\.distributed\.run|torchrun
 cli run                 -m megatron_rl (\w+)|megatron-rl (\w+)

@@ -1,6 +1,6 @@
 """The Megatron actor on CPU/gloo: TP/PP/DP invariance, log-probs, checkpoints, weight export.
 
-One torchrun job with 4 ranks (tests/helpers/actor_worker.py) runs every multi-rank check
+One job of 4 forked ranks (tests/helpers/actor_worker.py) runs every multi-rank check
 on tiny random HF models (hidden 64, 2 layers, vocab 250 -> padded 256, fp32) and each
 rank writes a JSON report; the tests below assert on it. Layouts (TP, PP) x DP of the 4
 ranks: (1,1)x4, (2,1)x2, (1,2)x2, (2,2)x1, all on the same 8-sequence batch.

@@ -1,5 +1,5 @@
-"""The mixture-of-experts actor (tiny Qwen3-MoE, 4 experts, top-2) on CPU/gloo, one 2-rank
-torchrun job (tests/helpers/actor_moe_worker.py): expert parallelism 2 equals 1 on the same
+"""The mixture-of-experts actor (tiny Qwen3-MoE, 4 experts, top-2) on CPU/gloo, one job of
+2 forked ranks (tests/helpers/actor_moe_worker.py): expert parallelism 2 equals 1 on the same
 batch (log-probs, losses, the router's load-balancing loss, gradients, updated weights);
 without the load-balancing term TP = 2 with sequence parallelism and PP = 2 (one replica)
 equal EP (two replicas); the reported load-balancing loss and the term it adds to the

@@ -1,5 +1,5 @@
 """The actor's features for 14B+ runs, on CPU/gloo (tests/helpers/actor_scale_worker.py, one
-4-rank torchrun job): the fused lm-head loss equals the materialised-logits path
+4-rank job of forked ranks): the fused lm-head loss equals the materialised-logits path
 (log-probs, per-token gradient norms, losses, grad norms, updated weights) at TP 1/2,
 PP 1/2, tied and untied embeddings, with and without sequence parallelism; sequence
 parallelism and activation recompute change nothing; padding micro-batches to a multiple

@@ -6,7 +6,7 @@
   ``AutoModelForCausalLM.from_pretrained`` and gives the source model's logits.
 * GPTModel built from the adapters at TP/PP in {1, 2} x {1, 2} and loaded with
   ``dist_checkpointing.load`` from a converted checkpoint gives the transformers logits
-  (fp32, <= 1e-4); one torchrun job with 4 gloo ranks runs every check.
+  (fp32, <= 1e-4); one job of 4 forked gloo ranks runs every check.
 * Each kind of bad input raises ConversionError naming the file / tensor and leaves no
   output (not even a partial one) behind.
 """
@@ -33,6 +33,7 @@ from megatron_rl.models.convert.hf_mcore import (
     hf_to_mcore,
     mcore_to_hf,
 )
+from tests.helpers.actor_job import FORK_RANKS
 from tests.helpers.jobs import run_job
 from tests.helpers.tiny_hf import VARIANTS, VOCAB, build_model, save_model, save_tokenizer
 
@@ -160,17 +161,7 @@ def test_megatron_logits_match_transformers(hf_dirs, mcore_dirs, tmp_path):
         for tp in (1, 2)
     ]
     (tmp_path / "jobs.json").write_text(json.dumps(jobs))
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node",
-        "4",
-        str(WORKER),
-        str(tmp_path / "jobs.json"),
-        str(tmp_path),
-    ]
+    cmd = [sys.executable, str(FORK_RANKS), "4", str(WORKER), str(tmp_path / "jobs.json"), str(tmp_path)]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     proc = run_job(cmd, cwd=REPO, env=env, timeout_s=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]

@@ -1,6 +1,6 @@
 """Packed sequences (``trainer.pack_sequences``) against padded micro-batches on CPU/gloo.
 
-One torchrun job with 2 ranks (tests/helpers/packing_worker.py) builds, at TP1 x DP2,
+One job of 2 forked ranks (tests/helpers/packing_worker.py) builds, at TP1 x DP2,
 TP2 and PP2, a packed and a padded actor from the same HF weights and runs the same
 mixed-length batch through both (small token budget: several micro-batches):
 

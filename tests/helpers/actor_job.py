@@ -1,5 +1,7 @@
-"""One 4-rank torchrun job of an actor test worker over tiny HF models and their Megatron
-conversions (tests/distributed/test_actor.py and test_actor_scale.py share it)."""
+"""One multi-rank job of an actor test worker over tiny HF models and their Megatron
+conversions (tests/distributed/test_actor.py, test_lora.py, test_actor_scale.py,
+test_actor_moe.py and test_packing.py share it). The ranks are torchrun's, forked by
+``fork_ranks.py`` after the imports they share."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from tests.helpers.jobs import run_job
 from tests.helpers.tiny_hf import save_model
 
 REPO = Path(__file__).resolve().parents[2]
+FORK_RANKS = REPO / "tests" / "helpers" / "fork_ranks.py"
 
 
 def run_actor_job(
@@ -30,8 +33,7 @@ def run_actor_job(
     out = root / "out"
     out.mkdir()
     (root / "spec.json").write_text(json.dumps(spec))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-           str(worker), str(root / "spec.json"), str(out)]  # fmt: skip
+    cmd = [sys.executable, str(FORK_RANKS), str(nproc), str(worker), str(root / "spec.json"), str(out)]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     proc = run_job(cmd, cwd=REPO, env=env, timeout_s=timeout_s)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-8000:]

@@ -1,6 +1,7 @@
 """The torchrun entry shared by the actor test workers (``actor_worker.py``,
 ``actor_scale_worker.py``, ``packing_worker.py``).
 
+``python tests/helpers/fork_ranks.py N WORKER.py SPEC.json OUT_DIR`` (the tests) or
 ``python -m torch.distributed.run ... WORKER.py SPEC.json OUT_DIR``: every rank joins a gloo
 world, runs the worker's checks and writes ``OUT_DIR/rank<r>.json``. Megatron is imported
 inside the call only: the dist-checkpoint writer starts ``spawn`` helper processes that

@@ -18,6 +18,10 @@ def test_kinds_are_read_from_the_command_line():
         kind_of("/venv/bin/python -u tests/helpers/actor_moe_worker.py spec.json out")
         == "torchrun rank: actor_moe_worker"
     )
+    assert (
+        kind_of("/venv/bin/python /repo/tests/helpers/fork_ranks.py 4 /repo/tests/helpers/actor_worker.py spec.json out")
+        == "forked ranks: actor_worker"
+    )
     assert kind_of("/venv/bin/python -m megatron_rl train examples/tiny_cpu.yaml") == "cli run: train"
     assert kind_of("/usr/bin/sleep 3") == "other: sleep"
     spawned = "/venv/bin/python -c from multiprocessing.spawn import spawn_main; spawn_main(tracker_fd=5, pipe_handle=7)"
