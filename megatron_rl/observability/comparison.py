@@ -217,6 +217,44 @@ class MethodSummary:
     """Welch's two-sided p-value of final sampled accuracy against the baseline method's."""
     reward_p_value: float | None
     """Welch's two-sided p-value of final reward against the baseline method's."""
+    accuracy_delta: PairedDelta | None = None
+    """Final accuracy minus the baseline's, paired by seed (``None``: no baseline, or the
+    baseline itself)."""
+    sampled_accuracy_delta: PairedDelta | None = None
+    """Final sampled accuracy minus the baseline's, paired by seed."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class PairedDelta:
+    """A method's difference from the baseline over the seeds both ran: runs of one seed
+    start alike (the same prompts in the same order, the same sampling seeds), so the
+    seed-to-seed spread cancels in the difference."""
+
+    delta: Stat
+    """Mean ± standard error of ``method - baseline`` over the paired seeds."""
+    p_value: float | None
+    """Two-sided paired t-test (``scipy.stats.ttest_rel``); ``None`` with fewer than two pairs
+    or differences that are all equal."""
+
+    def text(self) -> str:
+        d = self.delta
+        if d.mean is None:
+            return "n/a"
+        se = f" ± {d.se:.3f}" if d.se is not None else ""
+        return f"{d.mean:+.3f}{se} (p {_p_text(self.p_value)})"
+
+
+def paired_delta(method: Sequence[tuple[int, float | None]], base: Sequence[tuple[int, float | None]]) -> PairedDelta:
+    """``method - base`` paired by seed, from ``(seed, value)`` pairs (seeds with a value on
+    both sides only)."""
+    theirs = {seed: v for seed, v in base if v is not None}
+    pairs = [(v, theirs[seed]) for seed, v in method if v is not None and seed in theirs]
+    delta = Stat.of([a - b for a, b in pairs])
+    p = None
+    # Differences equal up to rounding (0.41 - 0.30 vs 0.45 - 0.34) have no variance to test.
+    if len(pairs) >= 2 and max(delta.values) - min(delta.values) > 1e-9:
+        p = float(stats.ttest_rel([a for a, _ in pairs], [b for _, b in pairs]).pvalue)
+    return PairedDelta(delta=delta, p_value=p)
 
 
 def welch_p_value(a: Sequence[float], b: Sequence[float]) -> float | None:
@@ -225,6 +263,10 @@ def welch_p_value(a: Sequence[float], b: Sequence[float]) -> float | None:
     if len(a) < 2 or len(b) < 2 or (statistics.variance(a) == 0 and statistics.variance(b) == 0):
         return None
     return float(stats.ttest_ind(a, b, equal_var=False).pvalue)
+
+
+def _by_seed(runs: Sequence[RunSummary], field_name: str) -> list[tuple[int, float | None]]:
+    return [(r.seed, getattr(r, field_name)) for r in runs]
 
 
 def _q1(quartiles: list[float] | None) -> float | None:
@@ -264,6 +306,14 @@ def aggregate(summaries: Sequence[RunSummary], *, baseline: str | None = None) -
                 accuracy_p_value=welch_p_value(acc.values, base_acc) if tested else None,
                 sampled_accuracy_p_value=welch_p_value(sampled.values, base_sampled) if tested else None,
                 reward_p_value=welch_p_value(reward.values, base_reward) if tested else None,
+                accuracy_delta=paired_delta(_by_seed(runs, "final_accuracy"), _by_seed(base, "final_accuracy"))
+                if tested
+                else None,
+                sampled_accuracy_delta=paired_delta(
+                    _by_seed(runs, "final_sampled_accuracy"), _by_seed(base, "final_sampled_accuracy")
+                )
+                if tested
+                else None,
             )
         )
     return out
@@ -282,8 +332,8 @@ def comparison_markdown(
     baseline: str | None = None,
 ) -> str:
     """The comparison table as Markdown (means ± standard errors over seeds; the p-values
-    against ``baseline``, as :func:`aggregate` computed them, when one is given). The sampled
-    accuracy gets a column (and a p-value) when some run logged it."""
+    against ``baseline``, as :func:`aggregate` computed them, and the differences from it paired
+    by seed, when one is given). The sampled accuracy gets its columns when some run logged it."""
     with_sampled = any(m.final_sampled_accuracy.values for m in methods)
     window = f" (mean of {threshold_window} values)" if threshold_window > 1 else ""
     header = ["method", "seeds", "final accuracy", f"steps to {threshold_key}{window} >= {threshold:g} (reached)",
@@ -292,9 +342,12 @@ def comparison_markdown(
     if with_sampled:
         header.insert(3, "final sampled accuracy")
     p_column = header.index("final reward")  # after the steps to the threshold
+    deltas = [("accuracy_delta", f"accuracy - {baseline}, paired by seed")]
+    if with_sampled:
+        deltas.append(("sampled_accuracy_delta", f"sampled accuracy - {baseline}, paired by seed"))
     if baseline:
         tested = "accuracy / sampled / reward" if with_sampled else "accuracy / reward"
-        header.insert(p_column, f"p vs {baseline} ({tested})")
+        header[p_column:p_column] = [f"p vs {baseline} ({tested})"] + [title for _, title in deltas]
     rows = [header]
     for m in methods:
         steps = m.steps_to_threshold
@@ -311,7 +364,10 @@ def comparison_markdown(
             row.insert(3, m.final_sampled_accuracy.text())
             p_values.insert(1, m.sampled_accuracy_p_value)
         if baseline:
-            row.insert(p_column, " / ".join(_p_text(p) for p in p_values))
+            paired = [getattr(m, name) for name, _ in deltas]
+            row[p_column:p_column] = [" / ".join(_p_text(p) for p in p_values)] + [
+                "-" if d is None else d.text() for d in paired
+            ]
         rows.append(row)
     lines = ["| " + " | ".join(cells) + " |" for cells in rows]
     lines.insert(1, "|" + "---|" * len(header))
@@ -356,7 +412,9 @@ def write_comparison(
         "step with a gradient.",
     ]
     if baseline:
-        notes.append(f"p vs {baseline}: Welch's two-sided t-test over seeds of the final accuracies and final reward.")
+        notes.append(f"p vs {baseline}: Welch's two-sided t-test over seeds of the final accuracies and final reward. "
+                     f"Paired by seed: the mean ± standard error of the difference from {baseline}'s run of the same "
+                     "seed (same prompts, same sampling seeds) and the paired t-test's two-sided p.")  # fmt: skip
     md = out_dir / "comparison.md"
     md.write_text(
         (header.rstrip() + "\n\n" if header else "") + table + "\n" + " ".join(notes) + "\n", encoding="utf-8"

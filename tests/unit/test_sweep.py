@@ -209,6 +209,31 @@ def test_the_start_of_rl_and_welchs_test_against_grpo(tmp_path):
     )
 
 
+def test_differences_from_grpo_are_paired_by_seed(tmp_path):
+    # seed 3 of ar has no grpo partner and grpo's seed 4 no ar one: both left out of the pairs
+    grpo = {1: 0.30, 2: 0.40, 4: 0.90}
+    ar = {1: 0.33, 2: 0.41, 3: 0.10}
+    labels = [_write_run(tmp_path / m / f"seed{s}", _rows({10: a})) for m, accs in (("grpo", grpo), ("ar", ar))
+              for s, a in accs.items()]  # fmt: skip
+    base, other = aggregate([summarize_run(lb) for lb in labels], baseline="grpo")
+    d = [0.33 - 0.30, 0.41 - 0.40]
+    t = statistics.fmean(d) / (statistics.stdev(d) / math.sqrt(2))  # the paired t from its definition
+    assert other.accuracy_delta.delta.values == pytest.approx(d)
+    assert other.accuracy_delta.delta.se == pytest.approx(statistics.stdev(d) / math.sqrt(2))
+    assert other.accuracy_delta.p_value == pytest.approx(2 * scipy_stats.t.sf(abs(t), 1), rel=1e-9)
+    assert other.accuracy_delta.p_value == pytest.approx(scipy_stats.ttest_rel([0.33, 0.41], [0.30, 0.40]).pvalue)
+    assert base.accuracy_delta is None  # the baseline itself
+    assert other.sampled_accuracy_delta.delta.mean is None  # nothing logged
+    md = write_comparison(tmp_path / "out", labels, baseline="grpo")[0].read_text()
+    assert "| accuracy - grpo, paired by seed |" in md and "sampled accuracy - grpo" not in md
+    assert f"| {other.accuracy_delta.delta.mean:+.3f} ± {other.accuracy_delta.delta.se:.3f} (p " in md
+    # equal differences (up to rounding): nothing to test
+    same = aggregate([summarize_run(lb) for lb in labels[:2]] + [
+        summarize_run(_write_run(tmp_path / "lopti" / f"seed{s}", _rows({10: a + 0.11}))) for s, a in ((1, 0.30), (2, 0.40))
+    ], baseline="grpo")[1]  # fmt: skip
+    assert same.accuracy_delta.delta.mean == pytest.approx(0.11) and same.accuracy_delta.p_value is None
+
+
 def test_a_smoothed_threshold_the_tail_and_the_sampled_accuracy(tmp_path):
     rewards = [0.1, 0.95, 0.2, 0.9, 0.95, 0.97]  # one lucky step 2, then a sustained rise from step 4
     rows = [{"rollout/reward/mean": r, "loss/entropy": float(i)} for i, r in enumerate(rewards, 1)]
