@@ -28,7 +28,7 @@ from megatron_rl.algo import (
     stapo_entropy_threshold,
 )
 from megatron_rl.algo.methods.stapo import STAPO_THRESHOLD_KEY
-from tests.dist_utils import file_store_url
+from tests.dist_utils import file_store_url, start_ranks
 
 NUM_SEQS, SEQ_LEN, HIDDEN, VOCAB, TEMPERATURE = 16, 8, 6, 11, 0.7
 
@@ -159,7 +159,7 @@ def _worker(rank, world, store_url, results):
 def test_gradients_invariant_to_dp_ranks_and_microbatches(world):
     with mp.Manager() as manager, tempfile.TemporaryDirectory() as rendezvous:
         results = manager.list()
-        mp.spawn(_worker, args=(world, file_store_url(rendezvous), results), nprocs=world, join=True)
+        start_ranks(_worker, (world, file_store_url(rendezvous), results), world)
         results = list(results)
     assert len(results) == (len(CONFIGS) + 1) * 3
     bad = [r for r in results if not r[2] < 1e-12]
