@@ -9,7 +9,9 @@ Ranks are forked by this pytest process's forkserver, which has imported :data:`
 once: a rank started with ``spawn`` imported torch and megatron-core again (~3 CPU-s each on
 the CI machine's 2 cores, more than most of these tests' own work). The forkserver is a
 fresh process (no Ray, no torch threads of the test process), and it runs no torch op, so
-a rank inherits nothing half-made.
+a rank inherits nothing half-made. A rank sees the environment variables and working
+directory the server started with (at this process's first :func:`start_ranks`), not
+those of the calling test: pass what a rank needs as arguments.
 """
 
 import multiprocessing
