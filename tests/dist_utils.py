@@ -5,13 +5,14 @@ shared list. Each run rendezvouses through a file store of its own (no TCP port 
 one picked as free can be taken by another process before the store binds it, as when CI
 runs two test sessions side by side), so tests can run back to back and side by side.
 
-Ranks are forked by this pytest process's forkserver, which has imported :data:`PRELOAD`
-once: a rank started with ``spawn`` imported torch and megatron-core again (~3 CPU-s each on
-the CI machine's 2 cores, more than most of these tests' own work). The forkserver is a
-fresh process (no Ray, no torch threads of the test process), and it runs no torch op, so
-a rank inherits nothing half-made. A rank sees the environment variables and working
-directory the server started with (at this process's first :func:`start_ranks`), not
-those of the calling test: pass what a rank needs as arguments.
+Ranks are forked by this pytest process's forkserver, which imports the test ranks'
+modules once (``tests/helpers/fork_ranks.py``'s ``PRELOAD``): a rank started with ``spawn``
+imported torch and megatron-core again (~3 CPU-s each on the CI machine's 2 cores, more than
+most of these tests' own work). The forkserver is a fresh process (no Ray, no torch threads
+of the test process), and it runs no torch op, so a rank inherits nothing half-made. The
+server starts at this process's first :func:`start_ranks`, and a rank sees the environment
+variables and working directory it started with, not those of the calling test: pass what
+a rank needs as arguments.
 """
 
 import multiprocessing
@@ -21,9 +22,7 @@ import tempfile
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-PRELOAD = ["torch", "torch.distributed", "megatron.core", "megatron_rl.actor.actor", "transformers.modeling_utils"]
-"""What the ranks of the tests here import (set before the forkserver starts, at the first
-:func:`start_ranks` of the process)."""
+from tests.helpers.fork_ranks import PRELOAD
 
 
 def file_store_url(directory: str) -> str:
@@ -33,7 +32,7 @@ def file_store_url(directory: str) -> str:
 
 def start_ranks(entry, args: tuple, nprocs: int) -> None:
     """``torch.multiprocessing.spawn(entry, args, nprocs)``, the ranks forked by the forkserver."""
-    multiprocessing.set_forkserver_preload(PRELOAD)  # no effect once the server runs: the same list
+    multiprocessing.set_forkserver_preload(list(PRELOAD))  # no effect once the server runs: the same list
     mp.start_processes(entry, args=args, nprocs=nprocs, join=True, start_method="forkserver")
 
 

@@ -25,13 +25,16 @@ state a rank could inherit half-made.
 
 from __future__ import annotations
 
+import importlib
 import os
+import signal
 import sys
 
 PRELOAD = ("torch", "torch.distributed", "megatron.core", "megatron_rl.actor.actor", "megatron_rl.actor.launch",
            "transformers.modeling_utils", "transformers.models.auto.modeling_auto")
-"""Modules the actor test workers import (most compare with transformers). Importing them
-patches nothing: ``cpu_shim.apply`` runs in ``initialize_parallel``."""
+"""Modules the test ranks import (these jobs' and ``tests/dist_utils.py``'s forkserver's;
+most compare with transformers). Importing them patches nothing: ``cpu_shim.apply`` runs in
+``initialize_parallel``."""
 
 
 def _run_rank(worker: str, args: list[str], env: dict[str, str], port_fd: int) -> int:
@@ -39,7 +42,6 @@ def _run_rank(worker: str, args: list[str], env: dict[str, str], port_fd: int) -
     import atexit
     import ctypes
     import runpy
-    import signal
     import traceback
 
     ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: die with the launcher
@@ -69,13 +71,10 @@ def main(argv: list[str]) -> int:
     nproc, worker, args = int(argv[0]), argv[1], argv[2:]
     if nproc > 1:
         os.environ.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default, read when torch loads
-    import importlib
-
     for name in PRELOAD:
         importlib.import_module(name)
-    import signal
 
-    ranks: dict[int, int] = {}  # pid -> rank
+    ranks: set[int] = set()  # the pids of the ranks still running
     ports = []
     for rank in range(nproc):
         read_fd, write_fd = os.pipe()
@@ -95,7 +94,7 @@ def main(argv: list[str]) -> int:
                 sys.stderr.flush()
                 os._exit(code)
         os.close(read_fd)
-        ranks[pid] = rank
+        ranks.add(pid)
         ports.append(write_fd)
 
     from datetime import timedelta
@@ -112,7 +111,7 @@ def main(argv: list[str]) -> int:
     code = 0
     while ranks:
         pid, status = os.wait()
-        ranks.pop(pid, None)
+        ranks.discard(pid)
         rank_code = os.waitstatus_to_exitcode(status)
         if rank_code != 0 and code == 0:
             code = rank_code if rank_code > 0 else 128 - rank_code  # killed by signal N: 128 + N
@@ -122,6 +121,7 @@ def main(argv: list[str]) -> int:
                 except ProcessLookupError:
                     pass
     return code
+
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))
