@@ -265,8 +265,23 @@ def welch_p_value(a: Sequence[float], b: Sequence[float]) -> float | None:
     return float(stats.ttest_ind(a, b, equal_var=False).pvalue)
 
 
-def _by_seed(runs: Sequence[RunSummary], field_name: str) -> list[tuple[int, float | None]]:
-    return [(r.seed, getattr(r, field_name)) for r in runs]
+def _welch(runs: Sequence[RunSummary], base: Sequence[RunSummary], field_name: str) -> float | None:
+    """:func:`welch_p_value` of ``field_name`` of ``runs`` against ``base``; ``None`` without a base."""
+    if not base:
+        return None
+    return welch_p_value(*(Stat.of([getattr(r, field_name) for r in rs]).values for rs in (runs, base)))
+
+
+def _paired(runs: Sequence[RunSummary], base: Sequence[RunSummary], field_name: str) -> PairedDelta | None:
+    """:func:`paired_delta` of ``field_name`` of ``runs`` against ``base``; ``None`` without a base."""
+    if not base:
+        return None
+    return paired_delta(*([(r.seed, getattr(r, field_name)) for r in rs] for rs in (runs, base)))
+
+
+def _with_sampled(methods: Sequence[MethodSummary]) -> bool:
+    """Whether some run logged the sampled accuracy (its columns and notes are shown then)."""
+    return any(m.final_sampled_accuracy.values for m in methods)
 
 
 def _q1(quartiles: list[float] | None) -> float | None:
@@ -279,41 +294,30 @@ def aggregate(summaries: Sequence[RunSummary], *, baseline: str | None = None) -
     every method without a baseline)."""
     methods = list(dict.fromkeys(s.method for s in summaries))
     base = [s for s in summaries if s.method == baseline]
-    base_acc = Stat.of([s.final_accuracy for s in base]).values
-    base_sampled = Stat.of([s.final_sampled_accuracy for s in base]).values
-    base_reward = Stat.of([s.final_reward for s in base]).values
     out = []
     for m in methods:
         runs = [s for s in summaries if s.method == m]
         steps = [s.steps_to_threshold for s in runs]
-        acc, reward = Stat.of([s.final_accuracy for s in runs]), Stat.of([s.final_reward for s in runs])
-        sampled = Stat.of([s.final_sampled_accuracy for s in runs])
-        tested = bool(base) and m != baseline
+        against = base if m != baseline else []  # the baseline is not tested against itself
         out.append(
             MethodSummary(
                 method=m,
                 seeds=[s.seed for s in runs],
-                final_accuracy=acc,
-                final_sampled_accuracy=sampled,
+                final_accuracy=Stat.of([s.final_accuracy for s in runs]),
+                final_sampled_accuracy=Stat.of([s.final_sampled_accuracy for s in runs]),
                 steps_to_threshold=Stat.of(steps),
                 num_reached=sum(v is not None for v in steps),
-                final_reward=reward,
+                final_reward=Stat.of([s.final_reward for s in runs]),
                 final_entropy=Stat.of([s.final_entropy for s in runs]),
                 low_quartile_grad_share=Stat.of([s.low_quartile_grad_share for s in runs]),
                 start_q1_mean_p=Stat.of([_q1(s.start_quartile_mean_p) for s in runs]),
                 start_q1_grad_share=Stat.of([_q1(s.start_quartile_grad_share) for s in runs]),
                 wall_s=Stat.of([s.wall_s for s in runs]),
-                accuracy_p_value=welch_p_value(acc.values, base_acc) if tested else None,
-                sampled_accuracy_p_value=welch_p_value(sampled.values, base_sampled) if tested else None,
-                reward_p_value=welch_p_value(reward.values, base_reward) if tested else None,
-                accuracy_delta=paired_delta(_by_seed(runs, "final_accuracy"), _by_seed(base, "final_accuracy"))
-                if tested
-                else None,
-                sampled_accuracy_delta=paired_delta(
-                    _by_seed(runs, "final_sampled_accuracy"), _by_seed(base, "final_sampled_accuracy")
-                )
-                if tested
-                else None,
+                accuracy_p_value=_welch(runs, against, "final_accuracy"),
+                sampled_accuracy_p_value=_welch(runs, against, "final_sampled_accuracy"),
+                reward_p_value=_welch(runs, against, "final_reward"),
+                accuracy_delta=_paired(runs, against, "final_accuracy"),
+                sampled_accuracy_delta=_paired(runs, against, "final_sampled_accuracy"),
             )
         )
     return out
@@ -334,7 +338,7 @@ def comparison_markdown(
     """The comparison table as Markdown (means ± standard errors over seeds; the p-values
     against ``baseline``, as :func:`aggregate` computed them, and the differences from it paired
     by seed, when one is given). The sampled accuracy gets its columns when some run logged it."""
-    with_sampled = any(m.final_sampled_accuracy.values for m in methods)
+    with_sampled = _with_sampled(methods)
     window = f" (mean of {threshold_window} values)" if threshold_window > 1 else ""
     header = ["method", "seeds", "final accuracy", f"steps to {threshold_key}{window} >= {threshold:g} (reached)",
               "final reward", "final entropy", "q1 gradient share", "q1 mean p at start",
@@ -342,10 +346,10 @@ def comparison_markdown(
     if with_sampled:
         header.insert(3, "final sampled accuracy")
     p_column = header.index("final reward")  # after the steps to the threshold
-    deltas = [("accuracy_delta", f"accuracy - {baseline}, paired by seed")]
-    if with_sampled:
-        deltas.append(("sampled_accuracy_delta", f"sampled accuracy - {baseline}, paired by seed"))
     if baseline:
+        deltas = [("accuracy_delta", f"accuracy - {baseline}, paired by seed")]
+        if with_sampled:
+            deltas.append(("sampled_accuracy_delta", f"sampled accuracy - {baseline}, paired by seed"))
         tested = "accuracy / sampled / reward" if with_sampled else "accuracy / reward"
         header[p_column:p_column] = [f"p vs {baseline} ({tested})"] + [title for _, title in deltas]
     rows = [header]
@@ -398,8 +402,7 @@ def write_comparison(
     methods = aggregate(runs, baseline=baseline)
     table = comparison_markdown(methods, threshold_key=threshold_key, threshold=threshold,
                                 threshold_window=threshold_window, baseline=baseline)  # fmt: skip
-    with_sampled = any(m.final_sampled_accuracy.values for m in methods)
-    sampled = f"; final sampled accuracy: the last `{SAMPLED_ACCURACY_KEY}`" if with_sampled else ""
+    sampled = f"; final sampled accuracy: the last `{SAMPLED_ACCURACY_KEY}`" if _with_sampled(methods) else ""
     window = f", the first step where the mean of its last {threshold_window} values reaches it" \
         if threshold_window > 1 else ""  # fmt: skip
     notes = [
