@@ -88,10 +88,7 @@ class ActorGroup:
         placement = placement or GroupPlacement.uniform(num_ranks)
         if len(placement) != num_ranks:
             raise ValueError(f"placement has {len(placement)} members for {num_ranks} actor ranks")
-        self.spec = spec
-        self.call_timeout_s = spec.actor.call_timeout_s or default_call_timeout_s(
-            spec.architecture, tp=spec.parallel.tensor_model_parallel_size, pp=spec.parallel.pipeline_model_parallel_size
-        )
+        self._use_spec(spec)
         self.broken: str | None = None
         """Why the group cannot run calls any more (a call timed out, or a rank failed while
         the others waited for it in a collective); only :meth:`shutdown` runs then."""
@@ -107,6 +104,29 @@ class ActorGroup:
         # rank 0 has started: nothing here waits for a process.
         rendezvous = self.workers[0].address.remote()
         self._setup: list[Any] | None = [w.setup.remote(rendezvous, spec) for w in self.workers]
+        if wait:
+            self.wait_ready()
+
+    def _use_spec(self, spec: ActorSpec) -> None:
+        self.spec = spec
+        self.call_timeout_s = spec.actor.call_timeout_s or default_call_timeout_s(
+            spec.architecture, tp=spec.parallel.tensor_model_parallel_size, pp=spec.parallel.pipeline_model_parallel_size
+        )
+
+    def rebuild(self, spec: ActorSpec, *, wait: bool = True) -> None:
+        """Build the actor again from ``spec`` in the same rank processes, which keep their
+        torch.distributed world: the old model, optimizer, reference and weight sender go;
+        a new layout replaces the parallel state (``launch.initialize_parallel``), and every
+        rank is seeded from ``spec`` as a fresh group's would be. ``spec`` must have as many
+        ranks. Starting a rank costs seconds of imports (megatron-core, transformers); code
+        that compares several specs on one set of ranks (the tests) pays that once."""
+        if spec.parallel.num_actor_ranks != len(self.workers):
+            raise ValueError(f"rebuild needs {len(self.workers)} actor ranks, the spec has {spec.parallel.num_actor_ranks}")
+        self.wait_ready()
+        self._check_usable("rebuild")
+        self._use_spec(spec)
+        self.consecutive_nonfinite = 0
+        self._setup = [w.setup.remote(None, spec) for w in self.workers]
         if wait:
             self.wait_ready()
 

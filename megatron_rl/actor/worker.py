@@ -13,6 +13,7 @@ calls it on every rank. The weight sync's sending side runs here too (the sender
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import socket
@@ -69,22 +70,28 @@ class ActorWorker:
             port = s.getsockname()[1]
         return ray.util.get_node_ip_address(), port
 
-    def setup(self, rendezvous: tuple[str, int], spec: ActorSpec) -> None:
+    def setup(self, rendezvous: tuple[str, int] | None, spec: ActorSpec) -> None:
         """Join the Megatron world at rank 0's ``rendezvous`` (address, port) and build the
-        actor (and reference) from ``spec``."""
+        actor (and reference) from ``spec``. Again (``ActorGroup.rebuild``, ``rendezvous``
+        None): the world stays; the previous actor, reference and sender are dropped first."""
         from megatron_rl.actor.actor import MegatronActor
         from megatron_rl.actor.launch import init_process_group, initialize_parallel_from
         from megatron_rl.actor.reference import AdaptersOffReference, ReferencePolicy
 
-        master_addr, master_port = rendezvous
-        os.environ.update(
-            MASTER_ADDR=master_addr,
-            MASTER_PORT=str(master_port),
-            RANK=str(self.rank),
-            WORLD_SIZE=str(self.world_size),
-            LOCAL_RANK="0",  # Ray gives each GPU worker its own CUDA_VISIBLE_DEVICES
-        )
-        init_process_group(rank=self.rank, world_size=self.world_size)
+        if self.actor is not None:
+            self.close_weight_sender()
+            self.actor = self.reference = None
+            gc.collect()  # megatron's modules hold reference cycles: free the old weights now
+        if rendezvous is not None:
+            master_addr, master_port = rendezvous
+            os.environ.update(
+                MASTER_ADDR=master_addr,
+                MASTER_PORT=str(master_port),
+                RANK=str(self.rank),
+                WORLD_SIZE=str(self.world_size),
+                LOCAL_RANK="0",  # Ray gives each GPU worker its own CUDA_VISIBLE_DEVICES
+            )
+            init_process_group(rank=self.rank, world_size=self.world_size)
         groups = initialize_parallel_from(spec.parallel, seed=spec.trainer.seed)
         self.actor = MegatronActor(spec, groups=groups)
         if spec.with_reference and spec.lora is not None:

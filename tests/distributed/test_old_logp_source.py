@@ -30,6 +30,7 @@ from megatron_rl.cluster.placement import GroupPlacement  # noqa: E402
 from megatron_rl.config.parallel import ParallelConfig  # noqa: E402
 from megatron_rl.config.rollout import RolloutConfig
 from megatron_rl.config.trainer import ActorConfig, TrainerConfig
+from tests.helpers.actor_groups import ActorGroups
 from tests.helpers.rollout_models import ACTOR_HF_CONFIG  # noqa: E402
 from tests.ray_cluster import shared_ray
 
@@ -38,8 +39,12 @@ TOL = 2e-5  # float32: the two paths' forwards batch the rows differently
 
 
 @pytest.fixture(scope="module")
-def ray_session():
+def groups():
+    """The module's 2-rank group, rebuilt for each run (every case has 2 ranks)."""
     shared_ray("distributed")
+    groups = ActorGroups()
+    yield groups
+    groups.shutdown()
 
 
 def _batch() -> ActorBatch:
@@ -55,15 +60,15 @@ def _batch() -> ActorBatch:
                       engine_logp=engine_logp)  # fmt: skip
 
 
-def _run(spec: ActorSpec, source: str, steps: int = 2) -> tuple[list[dict], dict]:
-    spec = replace(spec, actor=replace(spec.actor, old_logp_source=source))
-    actors = ActorGroup(spec, GroupPlacement.uniform(spec.parallel.num_actor_ranks, num_cpus=0))
-    try:
-        batch = _batch()
-        metrics = [actors.update_policy(batch, step) for step in range(1, steps + 1)]
-        return metrics, actors.hf_state_dict()
-    finally:
-        actors.shutdown()
+def _train(actors: ActorGroup, steps: int = 2) -> tuple[list[dict], dict]:
+    """``steps`` RL steps on the same batch: each step's metrics and the final weights."""
+    batch = _batch()
+    metrics = [actors.update_policy(batch, step) for step in range(1, steps + 1)]
+    return metrics, actors.hf_state_dict()
+
+
+def _run(groups: ActorGroups, spec: ActorSpec, source: str) -> tuple[list[dict], dict]:
+    return _train(groups.get(replace(spec, actor=replace(spec.actor, old_logp_source=source))))
 
 
 CASES = {
@@ -89,14 +94,14 @@ CASES = {
 
 @pytest.mark.parametrize("tis_cap", [None, 1.5], ids=["no_tis", "tis"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_auto_equals_recompute(ray_session, case, tis_cap):
+def test_auto_equals_recompute(groups, case, tis_cap):
     parallel, trainer, algorithm, frac = CASES[case]
     if tis_cap is not None:  # STAPO's pre-pass with TIS turns the fast path off (tested below)
         algorithm = replace(algorithm, stapo=STAPOConfig())
     spec = ActorSpec(architecture=dict(ACTOR_HF_CONFIG), parallel=parallel, trainer=trainer, algorithm=algorithm,
                      rollout=RolloutConfig(temperature=0.7, tis_cap=tis_cap))  # fmt: skip
-    fast, fast_weights = _run(spec, "auto")
-    slow, slow_weights = _run(spec, "recompute")
+    fast, fast_weights = _run(groups, spec, "auto")
+    slow, slow_weights = _run(groups, spec, "recompute")
     for f, s in zip(fast, slow):
         assert f["actor/old_logp_from_forward_frac"] == frac and s["actor/old_logp_from_forward_frac"] == 0.0
         keys = ["loss/total", "actor/grad_norm", "rollout/logp_mismatch/mean_abs", "rollout/logp_mismatch/max_abs"]
@@ -125,3 +130,29 @@ def test_auto_falls_back_when_old_logp_is_needed_before_the_forward():
     # Lopti reads the old log-probs inside the loss (its split), STAPO in its pre-pass: both fine.
     lopti = AlgorithmConfig(lopti=LoptiConfig(enabled=True), stapo=STAPOConfig(enabled=True))
     assert old_logp_from_train_forward(replace(spec, algorithm=lopti))
+
+
+def test_a_rebuilt_group_trains_as_a_new_one(groups):
+    """What the module's shared group rests on: ranks rebuilt for a spec, after a spec of
+    another layout (PP=2 -> DP=2 -> PP=2), give bit for bit the metrics and weights of
+    ranks started for it."""
+    specs = {case: ActorSpec(architecture=dict(ACTOR_HF_CONFIG), parallel=parallel, trainer=trainer,
+                             algorithm=algorithm, rollout=RolloutConfig(temperature=0.7))
+             for case, (parallel, trainer, algorithm, _) in CASES.items()}  # fmt: skip
+    pp2, dp2 = specs["grpo_pp2_one_minibatch"], specs["methods_dp2_2mb_2ep"]
+    new = ActorGroup(pp2, GroupPlacement.uniform(2, num_cpus=0))
+    try:
+        want = _train(new)
+    finally:
+        new.shutdown()
+    shared = groups.get(dp2)
+    _train(shared, steps=1)
+    shared.rebuild(pp2)
+    got = _train(shared)
+    def numbers(metrics):  # the steps' numbers; their timings differ from run to run
+        return [{k: v for k, v in m.items() if not k.startswith(("timing_s/", "throughput/"))} for m in metrics]
+
+    assert numbers(got[0]) == numbers(want[0])
+    assert got[1].keys() == want[1].keys()
+    for name in want[1]:
+        assert torch.equal(got[1][name], want[1][name]), name

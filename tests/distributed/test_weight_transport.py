@@ -13,7 +13,6 @@ import torch
 
 ray = pytest.importorskip("ray")
 
-from megatron_rl.actor.group import ActorGroup  # noqa: E402
 from megatron_rl.actor.spec import ActorSpec  # noqa: E402
 from megatron_rl.cluster.placement import GroupPlacement  # noqa: E402
 from megatron_rl.config.parallel import ParallelConfig  # noqa: E402
@@ -23,6 +22,7 @@ from megatron_rl.rollout import RolloutPool  # noqa: E402
 from megatron_rl.weight_sync.buckets import make_buckets  # noqa: E402
 from megatron_rl.weight_sync.meta import TensorMeta  # noqa: E402
 from megatron_rl.weight_sync.sync import WeightSync  # noqa: E402
+from tests.helpers.actor_groups import ActorGroups
 from tests.helpers.rollout_models import ACTOR_HF_CONFIG as HF_CONFIG  # noqa: E402
 from tests.helpers.rollout_models import save_actor_hf  # noqa: E402
 from tests.ray_cluster import shared_ray
@@ -72,15 +72,22 @@ def _engine_digests(pool):
     return [ray.get(actor.weight_checksums.remote()) for actor in pool.actors]
 
 
-def _actors(tp, pp, dp=1):
-    spec = ActorSpec(
+def _spec(tp, pp, dp=1):
+    return ActorSpec(
         architecture=dict(HF_CONFIG),
         parallel=ParallelConfig(
             num_actor_ranks=tp * pp * dp, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp
         ),
         trainer=TrainerConfig(seed=7),
     )
-    return ActorGroup(spec, GroupPlacement.uniform(tp * pp * dp, num_cpus=0))
+
+
+@pytest.fixture(scope="module")
+def groups(env):
+    """The module's actor groups, one per rank count (DP2 and the TP2 below share two ranks)."""
+    groups = ActorGroups()
+    yield groups
+    groups.shutdown()
 
 
 def _sync(actors, pool, transport):
@@ -89,35 +96,30 @@ def _sync(actors, pool, transport):
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_every_transport_gives_every_engine_the_actor_weights_bit_for_bit(env, layout):
+def test_every_transport_gives_every_engine_the_actor_weights_bit_for_bit(env, groups, layout):
     pool, reset, _, state = env
-    actors = _actors(*LAYOUTS[layout])
-    try:
-        want = _digests(actors.hf_state_dict())
-        for transport in TRANSPORTS:
-            reset()
-            assert all(d != want for d in _engine_digests(pool))
-            sync = _sync(actors, pool, transport)
-            try:
-                state["version"] += 1
-                stats = sync.run(state["version"])
-            finally:
-                sync.close()
-            assert stats["weight_sync/retries"] == 0 and stats["weight_sync/num_engines"] == 2
-            assert sync.transport == transport
-            assert _engine_digests(pool) == [want, want], (layout, transport)
-            assert all(h["ok"] and h["weight_version"] == state["version"] for h in pool.health())
-    finally:
-        actors.shutdown()
+    actors = groups.get(_spec(*LAYOUTS[layout]))
+    want = _digests(actors.hf_state_dict())
+    for transport in TRANSPORTS:
+        reset()
+        assert all(d != want for d in _engine_digests(pool))
+        sync = _sync(actors, pool, transport)
+        try:
+            state["version"] += 1
+            stats = sync.run(state["version"])
+        finally:
+            sync.close()
+        assert stats["weight_sync/retries"] == 0 and stats["weight_sync/num_engines"] == 2
+        assert sync.transport == transport
+        assert _engine_digests(pool) == [want, want], (layout, transport)
+        assert all(h["ok"] and h["weight_version"] == state["version"] for h in pool.health())
 
 
 @pytest.fixture(scope="module")
-def tp2_actors(env):
+def tp2_actors(groups):
     """A TP=2 actor group the killed-engine cases share: a sync reads its weights and changes
     nothing of it (one group's start-up instead of one per case)."""
-    actors = _actors(2, 1)
-    yield actors
-    actors.shutdown()
+    return groups.get(_spec(2, 1))
 
 
 @pytest.mark.parametrize("transport", list(TRANSPORTS))

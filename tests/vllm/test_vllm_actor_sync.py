@@ -16,7 +16,6 @@ layouts the engine is reset to other weights, so each sync has something to do.
 import pytest
 import torch
 
-from megatron_rl.actor.group import ActorGroup
 from megatron_rl.actor.spec import ActorSpec
 from megatron_rl.algo.mismatch import logprob_mismatch
 from megatron_rl.cluster.placement import GroupPlacement
@@ -28,6 +27,7 @@ from megatron_rl.rollout import RolloutPool, SamplingParams
 from megatron_rl.weight_sync.buckets import MIB, make_buckets
 from megatron_rl.weight_sync.meta import TensorMeta
 from megatron_rl.weight_sync.sync import WeightSync
+from tests.helpers.actor_groups import ActorGroups
 from tests.helpers.rollout_models import VLLM_MODEL, hf_state, save_qwen2, vllm_engine_args
 from tests.ray_cluster import shared_ray
 
@@ -56,11 +56,13 @@ def setup(tmp_path_factory):
     shared_ray("vllm")
     pool = RolloutPool(RolloutConfig(engine="vllm", engine_args=vllm_engine_args()), str(other_dir),
                        placement=GroupPlacement.uniform(1, num_cpus=1), weight_backend="gloo")  # fmt: skip
+    groups = ActorGroups(num_cpus=0.5)  # TP2 and PP2 on the same two ranks
     try:
         _load(pool, actor_dir, version=100)
         reference = pool.generate(PROMPTS, PARAMS), ray.get(pool.actors[0].weight_checksums.remote())
-        yield pool, actor_dir, other_dir, reference
+        yield pool, actor_dir, other_dir, reference, groups
     finally:
+        groups.shutdown()
         pool.shutdown()
 
 
@@ -71,7 +73,7 @@ CPU); the TP2 layout runs all three, the others the collective one."""
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_sync_from_actor_layout_equals_the_checkpoint(setup, layout):
-    pool, actor_dir, other_dir, (want, want_checksums) = setup
+    pool, actor_dir, other_dir, (want, want_checksums), groups = setup
     tp, pp = LAYOUTS[layout]
     spec = ActorSpec(
         architecture=str(actor_dir),
@@ -79,29 +81,26 @@ def test_sync_from_actor_layout_equals_the_checkpoint(setup, layout):
                                 pipeline_model_parallel_size=pp),
         trainer=TrainerConfig(seed=7),
     )  # fmt: skip
-    actors = ActorGroup(spec, GroupPlacement.uniform(tp * pp, num_cpus=0.5))
-    try:
-        actors.load_initial_weights(str(actor_dir))
-        for version, transport in enumerate(TRANSPORTS if layout == "tp2" else ["collective"], start=1):
-            _load(pool, other_dir, version=200 + version)  # the engine holds other weights before the sync
-            assert ray.get(pool.actors[0].weight_checksums.remote()) != want_checksums
-            rollout = RolloutConfig(engine="vllm", weight_transport=transport, weight_sync_bucket_mb=1)
-            sync = WeightSync(actors, pool, rollout, transport=transport, backend=TRANSPORTS[transport])
-            try:
-                stats = sync.run(version=version)
-            finally:
-                sync.close()
-            assert stats["weight_sync/retries"] == 0 and stats["weight_sync/num_engines"] == 1
-            assert pool.weight_version == version
-            assert ray.get(pool.actors[0].weight_checksums.remote()) == want_checksums, transport
-            got = pool.generate(PROMPTS, PARAMS)
-            assert _ids(got) == _ids(want), transport
-            assert all(c.weight_version == version for g in got for c in g)
-            # the engine's log-probs vs the actor's recomputation: the trainer's mismatch metric
-            exp = build_experience(PROMPTS, got, pad_id=0)
-            actor_lp = actors.compute_logprobs(exp.batch).logp
-            metrics = logprob_mismatch(exp.batch.engine_logp, actor_lp, exp.batch.loss_mask).metrics
-            assert metrics["rollout/logp_mismatch/max_abs"] <= 1e-4, (transport, metrics)
-            assert torch.isfinite(actor_lp).all()
-    finally:
-        actors.shutdown()
+    actors = groups.get(spec)
+    actors.load_initial_weights(str(actor_dir))
+    for version, transport in enumerate(TRANSPORTS if layout == "tp2" else ["collective"], start=1):
+        _load(pool, other_dir, version=200 + version)  # the engine holds other weights before the sync
+        assert ray.get(pool.actors[0].weight_checksums.remote()) != want_checksums
+        rollout = RolloutConfig(engine="vllm", weight_transport=transport, weight_sync_bucket_mb=1)
+        sync = WeightSync(actors, pool, rollout, transport=transport, backend=TRANSPORTS[transport])
+        try:
+            stats = sync.run(version=version)
+        finally:
+            sync.close()
+        assert stats["weight_sync/retries"] == 0 and stats["weight_sync/num_engines"] == 1
+        assert pool.weight_version == version
+        assert ray.get(pool.actors[0].weight_checksums.remote()) == want_checksums, transport
+        got = pool.generate(PROMPTS, PARAMS)
+        assert _ids(got) == _ids(want), transport
+        assert all(c.weight_version == version for g in got for c in g)
+        # the engine's log-probs vs the actor's recomputation: the trainer's mismatch metric
+        exp = build_experience(PROMPTS, got, pad_id=0)
+        actor_lp = actors.compute_logprobs(exp.batch).logp
+        metrics = logprob_mismatch(exp.batch.engine_logp, actor_lp, exp.batch.loss_mask).metrics
+        assert metrics["rollout/logp_mismatch/max_abs"] <= 1e-4, (transport, metrics)
+        assert torch.isfinite(actor_lp).all()
