@@ -459,9 +459,42 @@ def _binned_seed_mean(
     return x, mean, se
 
 
+MIN_EVALS_FOR_CURVES = 3
+"""Fewer evaluations per run than this (a study that evaluates once, at the end) and the
+accuracy panel shows each method's final accuracies instead of curves (:func:`final_accuracies`)."""
+
+
+def final_accuracies(per_seed: Sequence[Sequence[dict[str, Any]]], key: str) -> list[float]:
+    """The last logged ``key`` of each run that logged it (one value per seed)."""
+    finals = []
+    for records in per_seed:
+        values = [r[key] for r in records if r.get(key) is not None]
+        if values:
+            finals.append(float(values[-1]))
+    return finals
+
+
+def _plot_final_accuracies(ax: Any, runs: dict[str, list[list[dict[str, Any]]]]) -> None:
+    """One column per method: each seed's final greedy accuracy (filled dots) and sampled
+    accuracy (hollow, where logged), the mean ± standard error as a bar beside them."""
+    for i, (method, per_seed) in enumerate(runs.items()):
+        for key, dx, fill in ((ACCURACY_KEY, -0.12, True), (SAMPLED_ACCURACY_KEY, 0.12, False)):
+            finals = final_accuracies(per_seed, key)
+            if not finals:
+                continue
+            stat = Stat.of(finals)
+            color = f"C{i % 10}"
+            ax.scatter([i + dx] * len(finals), finals, s=14, color=color if fill else "none", edgecolors=color)
+            ax.errorbar([i + dx + 0.06], [stat.mean], yerr=[stat.se or 0.0], fmt="_", color=color, capsize=3)
+    ax.set_xticks(range(len(runs)), [f"{m} (n={len(r)})" for m, r in runs.items()], rotation=25, ha="right",
+                  fontsize=7)  # fmt: skip
+    ax.set_xlim(-0.5, len(runs) - 0.5)
+
+
 def plot_comparison(labels: Sequence[RunLabel], path: str | Path) -> Path:
     """Eval accuracy, training reward, entropy and the lowest quartile's gradient share over
-    training, one line per method (mean over seeds, band = ± standard error)."""
+    training, one line per method (mean over seeds, band = ± standard error); with fewer
+    than :data:`MIN_EVALS_FOR_CURVES` evaluations per run, the final accuracies per method."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -478,8 +511,14 @@ def plot_comparison(labels: Sequence[RunLabel], path: str | Path) -> Path:
         (ENTROPY_KEY, "policy entropy (nats)", width, False),
         (LOW_SHARE_KEY, "gradient share of the lowest p_old quartile", width, True),
     )
+    evals = max((sum(r.get(ACCURACY_KEY) is not None for r in rs) for per in runs.values() for rs in per), default=0)
     fig, axes = plt.subplots(2, 2, figsize=(10, 6.5))
     for ax, (key, title, w, grad_only) in zip(axes.flat, panels):
+        if key == ACCURACY_KEY and 0 < evals < MIN_EVALS_FOR_CURVES:
+            _plot_final_accuracies(ax, runs)
+            ax.set_title("final eval accuracy: greedy (filled), sampled (hollow); mean ± s.e.", fontsize=10)
+            ax.set_ylim(bottom=0)
+            continue
         for method, per_seed in runs.items():
             x, mean, se = _binned_seed_mean(per_seed, key, w, require_gradient=grad_only)
             if not x:
@@ -491,7 +530,7 @@ def plot_comparison(labels: Sequence[RunLabel], path: str | Path) -> Path:
         ax.set_xlabel("step")
         if key in (ACCURACY_KEY, LOW_SHARE_KEY):
             ax.set_ylim(-0.02, 1.02)
-    axes.flat[0].legend(fontsize=7)
+    axes.flat[1].legend(fontsize=7) if 0 < evals < MIN_EVALS_FOR_CURVES else axes.flat[0].legend(fontsize=7)
     fig.tight_layout()
     path = Path(path)
     fig.savefig(path, dpi=100)

@@ -163,6 +163,33 @@ def test_summaries_and_standard_errors(tmp_path):
     assert paths[2].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_a_study_that_evaluates_once_plots_each_methods_final_accuracies(tmp_path, monkeypatch):
+    """One evaluation per run (at the end): a curve of one point draws nothing, so the
+    accuracy panel shows each seed's final greedy and sampled accuracy per method."""
+    import megatron_rl.observability.comparison as comparison
+
+    labels = []
+    for method, accs in (("grpo", (0.3, 0.33)), ("lopti", (0.22, 0.3))):
+        for seed, acc in enumerate(accs, 1):
+            rows = _rows({10: acc})
+            rows[-1]["eval/accuracy/mean/sampled"] = acc / 3
+            labels.append(_write_run(tmp_path / method / f"seed{seed}", rows))
+    per_seed = [[json.loads(line) for line in open(Path(lb.run_dir) / "metrics.jsonl")] for lb in labels[2:]]
+    assert comparison.final_accuracies(per_seed, "eval/accuracy/mean") == [0.22, 0.3]
+    assert comparison.final_accuracies(per_seed, "eval/accuracy/mean/sampled") == pytest.approx([0.22 / 3, 0.1])
+    assert comparison.plot_comparison(labels, tmp_path / "drawn.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    drawn = []  # which runs the final-accuracy panel gets, from here on
+    monkeypatch.setattr(comparison, "_plot_final_accuracies", lambda ax, runs: drawn.append(list(runs)))
+    path = comparison.plot_comparison(labels, tmp_path / "one_eval.png")
+    assert drawn == [["grpo", "lopti"]] and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    two_evals = _write_run(tmp_path / "ar" / "seed1", _rows({5: 0.1, 10: 0.2}))  # curves up to 2 evals too
+    comparison.plot_comparison([two_evals], tmp_path / "two.png")
+    assert len(drawn) == 2
+    many = _write_run(tmp_path / "ar" / "seed2", _rows({3: 0.1, 6: 0.2, 9: 0.3}))
+    comparison.plot_comparison([many], tmp_path / "curves.png")
+    assert len(drawn) == 2  # three evaluations: curves
+
+
 def _quartile_rows(acc: float, reward: float, q1_p: float, n=4):
     rows = _rows({n: acc}, n=n)
     for step, row in enumerate(rows, 1):
