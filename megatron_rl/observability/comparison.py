@@ -512,9 +512,10 @@ def plot_comparison(labels: Sequence[RunLabel], path: str | Path) -> Path:
         (LOW_SHARE_KEY, "gradient share of the lowest p_old quartile", width, True),
     )
     evals = max((sum(r.get(ACCURACY_KEY) is not None for r in rs) for per in runs.values() for rs in per), default=0)
+    final_panel = 0 < evals < MIN_EVALS_FOR_CURVES  # the accuracy panel without curves: the legend moves
     fig, axes = plt.subplots(2, 2, figsize=(10, 6.5))
     for ax, (key, title, w, grad_only) in zip(axes.flat, panels):
-        if key == ACCURACY_KEY and 0 < evals < MIN_EVALS_FOR_CURVES:
+        if key == ACCURACY_KEY and final_panel:
             _plot_final_accuracies(ax, runs)
             ax.set_title("final eval accuracy: greedy (filled), sampled (hollow); mean ± s.e.", fontsize=10)
             ax.set_ylim(bottom=0)
@@ -530,7 +531,7 @@ def plot_comparison(labels: Sequence[RunLabel], path: str | Path) -> Path:
         ax.set_xlabel("step")
         if key in (ACCURACY_KEY, LOW_SHARE_KEY):
             ax.set_ylim(-0.02, 1.02)
-    axes.flat[1].legend(fontsize=7) if 0 < evals < MIN_EVALS_FOR_CURVES else axes.flat[0].legend(fontsize=7)
+    axes.flat[1 if final_panel else 0].legend(fontsize=7)
     fig.tight_layout()
     path = Path(path)
     fig.savefig(path, dpi=100)
