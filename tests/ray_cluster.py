@@ -13,10 +13,13 @@ CPUs, room for two engines beside the actor ranks.
 
 from __future__ import annotations
 
-__all__ = ["release_ray", "shared_ray"]
+__all__ = ["release_ray", "shared_ray", "warm_workers"]
 
 _CURRENT: list[str] = []
 """The tier whose cluster is up (empty: none of ours)."""
+
+_WARM: list = []
+"""The ``loop.warm.WarmWorkers`` of the cluster that is up (empty: none made yet)."""
 
 _NUM_CPUS = {"e2e": None}
 """Logical CPUs of each tier's cluster (``None``: Ray's default); other tiers: 4."""
@@ -40,10 +43,27 @@ def shared_ray(tier: str) -> None:
         _CURRENT[:] = [tier]
 
 
+def warm_workers():
+    """The actor ranks and engines the in-process runs on the shared cluster hand on to
+    each other (``loop.warm.WarmWorkers``: a run rebuilds kept processes of its shape
+    instead of starting new ones, seconds of imports each); kept until the cluster is
+    released. ``None`` on a cluster with (fake) GPUs: a GPU run's processes live in its own
+    placement groups."""
+    from megatron_rl.loop.warm import WarmWorkers
+
+    if any(_NUM_GPUS.get(tier) for tier in _CURRENT):
+        return None
+    if not _WARM:
+        _WARM.append(WarmWorkers())
+    return _WARM[0]
+
+
 def release_ray() -> None:
     """Shut the shared cluster (or any cluster of this process) down."""
     import ray
 
+    if _WARM:
+        _WARM.pop().close()
     if ray.is_initialized():
         ray.shutdown()
     _CURRENT.clear()

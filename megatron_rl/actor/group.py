@@ -130,6 +130,20 @@ class ActorGroup:
         if wait:
             self.wait_ready()
 
+    def answers(self, *, timeout_s: float) -> bool:
+        """Whether the group is usable and every rank answers a trivial call within
+        ``timeout_s`` (a rank that is dead, or still in a call, does not)."""
+        if self.broken is not None or not self.workers:
+            return False
+        try:
+            pending = [w.node_id.remote() for w in self.workers]
+            if ray.wait(pending, num_returns=len(pending), timeout=timeout_s)[1]:
+                return False
+            ray.get(pending)  # a dead rank's call raises
+            return True
+        except ray.exceptions.RayError:
+            return False
+
     def wait_ready(self) -> None:
         """Wait until every rank has built its model; raises the first rank's failure."""
         pending, self._setup = self._setup, None

@@ -81,6 +81,7 @@ class ActorWorker:
         if self.actor is not None:
             self.close_weight_sender()
             self.actor = self.reference = None
+            self.transitions.clear()  # the new actor's history starts here
             gc.collect()  # megatron's modules hold reference cycles: free the old weights now
         if rendezvous is not None:
             master_addr, master_port = rendezvous

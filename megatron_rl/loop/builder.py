@@ -54,6 +54,7 @@ from megatron_rl.config.run import RunConfig
 from megatron_rl.data.source import PromptSource
 from megatron_rl.loop.preflight import Preflight, preflight
 from megatron_rl.loop.run_lock import RunDirLock, lock_run_dir
+from megatron_rl.loop.warm import WarmWorkers
 from megatron_rl.models import adapter_for_config
 from megatron_rl.observability import MetricsSink
 from megatron_rl.observability.run_log import LOG_DIR_ENV
@@ -102,16 +103,31 @@ class Run:
     0 into them before anything generates."""
     lock: RunDirLock | None = None
     """This process's hold on the run directory (``loop.run_lock``), released by :meth:`close`."""
+    warm: WarmWorkers | None = None
+    """Where :meth:`close` hands the actor ranks and engines back instead of stopping them
+    (``loop.warm``)."""
 
     def close(self) -> None:
         """Stop the engines, actor ranks and reward workers; flush the metrics; release the run
         directory. Every part is closed even if one fails (a rank that died makes its group's
         clean-up raise); the first error is raised at the end."""
         try:
-            close_all(self.sink.close, self.rewards.close, self.weight_sync.close, self.pool.shutdown,
-                      self.actors.shutdown, self.placement and self.placement.remove, self.lock and self.lock.release)
+            close_all(self.sink.close, self.rewards.close, self.weight_sync.close, self._release_pool,
+                      self._release_actors, self.placement and self.placement.remove, self.lock and self.lock.release)
         finally:
             self.lock = None
+
+    def _release_pool(self) -> None:
+        if self.warm is not None and isinstance(self.pool, RolloutPool):
+            self.warm.hand_back_engines(self.pool)
+        else:
+            self.pool.shutdown()
+
+    def _release_actors(self) -> None:
+        if self.warm is not None:
+            self.warm.hand_back_actors(self.actors)
+        else:
+            self.actors.shutdown()
 
 
 def close_all(*closers: Callable[[], Any] | None) -> None:
@@ -179,9 +195,10 @@ _LEAN_RAY = {"enable_worker_prestart": False, "prestart_worker_first_driver": Fa
 """Ray system settings of a cluster the driver starts itself (``ray.init`` without an address)."""
 
 
-def build_run(config: RunConfig, *, checked: Preflight | None = None) -> Run:
+def build_run(config: RunConfig, *, checked: Preflight | None = None, warm: WarmWorkers | None = None) -> Run:
     """Every component of the run, in the order the module docstring gives (``checked``: the
-    pre-flight's result, when the caller ran it already)."""
+    pre-flight's result, when the caller ran it already; ``warm``: actor ranks and engines
+    kept from this process's earlier runs, see ``loop.warm``)."""
     run_dir = config.run_dir
     checkpoint_dir = run_dir / "checkpoints"
     # Cheap and strict first: every path, name, row and the checkpoint to resume from are
@@ -206,7 +223,7 @@ def build_run(config: RunConfig, *, checked: Preflight | None = None) -> Run:
         raise
     rewards.start()  # the workers start while the actor ranks and the engines do
     try:
-        run = _build_components(config, checked, run_dir, checkpoint_dir, prompts, rewards, transport, backend)
+        run = _build_components(config, checked, run_dir, checkpoint_dir, prompts, rewards, transport, backend, warm)
     except BaseException:
         rewards.close()
         lock.release()
@@ -247,7 +264,7 @@ def start_ray(run_dir: Path) -> None:
 
 def _build_components(
     config: RunConfig, checked: Preflight, run_dir: Path, checkpoint_dir: Path, prompts: PromptSource,
-    rewards: RewardPool, transport: str, backend: str,
+    rewards: RewardPool, transport: str, backend: str, warm: WarmWorkers | None,
 ) -> Run:
     """Steps 2-4 of the module docstring: placement, actor ranks, engines, weight sync, sink."""
     resume_from, task, tokenizer, hf_config = checked.resume.path, checked.task, checked.tokenizer, checked.hf_config
@@ -264,16 +281,23 @@ def _build_components(
     from_hf = initial is not None and is_hf_directory(initial)
     engine_dir = Path(initial) if from_hf else _write_engine_config(run_dir, hf_config, tokenizer,
                                                                        config.model.dtype or "float32")  # fmt: skip
+    if warm is not None and not from_hf:
+        engine_dir = warm.engine_dir(engine_dir)  # the same path for runs of the same model: kept engines fit
     overlap = not (gpu_placement is not None and config.rollout.placement == "colocated")
-    actors = ActorGroup(actor_spec(config), actor_group, wait=not overlap)
+    if warm is not None and gpu_placement is not None:  # a kept rank would die with the run's placement group
+        raise ValueError("warm workers are for CPU runs: a GPU run's placement groups are removed with it")
+    spec = actor_spec(config)
+    start_actors = warm.actor_group if warm else ActorGroup
+    actors = start_actors(spec, actor_group, wait=not overlap)
 
     def start_pool() -> RolloutPool | LocalRolloutPool:
         if config.rollout.engine_process == "driver":
             return LocalRolloutPool(config.rollout, str(engine_dir), torch_threads=engine_group.torch_threads,
                                     weight_format=config.rollout.weight_dtype)  # fmt: skip
         lora_rank = config.actor.lora.rank if config.rollout.lora_sync == "adapter" else None
-        return RolloutPool(config.rollout, str(engine_dir), placement=engine_group, weight_backend=backend,
-                           weight_format=config.rollout.weight_dtype, lora_rank=lora_rank)  # fmt: skip
+        start = warm.pool if warm else RolloutPool
+        return start(config.rollout, str(engine_dir), placement=engine_group, weight_backend=backend,
+                     weight_format=config.rollout.weight_dtype, lora_rank=lora_rank)  # fmt: skip
 
     pool = start_pool() if overlap else None
     if initial is not None:
@@ -307,4 +331,5 @@ def _build_components(
         sink=sink,
         placement=gpu_placement,
         engines_await_weights=not from_hf,
+        warm=warm,
     )

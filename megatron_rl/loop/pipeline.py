@@ -40,6 +40,7 @@ from megatron_rl.loop.experience import RolloutBatch, collect
 from megatron_rl.loop.preflight import Preflight
 from megatron_rl.loop.step import StartedUpdate, finish_update, step_metrics, submit_update
 from megatron_rl.loop.trainer import Trainer
+from megatron_rl.loop.warm import WarmWorkers
 
 __all__ = ["PipelinedTrainer", "RolloutAhead", "make_trainer"]
 
@@ -199,8 +200,9 @@ class PipelinedTrainer(Trainer):
 
     generates_ahead = True
 
-    def __init__(self, config: RunConfig, *, checked: Preflight | None = None, submit_early: bool = True):
-        super().__init__(config, checked=checked)
+    def __init__(self, config: RunConfig, *, checked: Preflight | None = None, submit_early: bool = True,
+                 warm: WarmWorkers | None = None):
+        super().__init__(config, checked=checked, warm=warm)
         self.submit_early = submit_early
         self.ahead: RolloutAhead | None = None
         self._next: StartedUpdate | Exception | None = None
@@ -265,7 +267,8 @@ class PipelinedTrainer(Trainer):
         return self.ahead.cursor()
 
 
-def make_trainer(config: RunConfig, *, checked: Preflight | None = None) -> Trainer:
-    """The loop for ``config``: pipelined with ``rollout.max_staleness >= 1``, else synchronous."""
+def make_trainer(config: RunConfig, *, checked: Preflight | None = None, warm: WarmWorkers | None = None) -> Trainer:
+    """The loop for ``config``: pipelined with ``rollout.max_staleness >= 1``, else synchronous
+    (``warm``: actor ranks and engines kept between this process's runs, ``loop.warm``)."""
     cls = PipelinedTrainer if config.rollout.max_staleness > 0 else Trainer
-    return cls(config, checked=checked)
+    return cls(config, checked=checked, warm=warm)

@@ -33,6 +33,7 @@ from megatron_rl.loop.experience import collect
 from megatron_rl.loop.preflight import Preflight
 from megatron_rl.loop.step import finish_update, step_metrics, submit_update
 from megatron_rl.loop.steps import StepLoop
+from megatron_rl.loop.warm import WarmWorkers
 from megatron_rl.rewards import AllRewardsFailedError, RewardErrorStreak
 from megatron_rl.storage.checkpoints import prune_checkpoints
 
@@ -45,12 +46,12 @@ class Trainer(StepLoop):
     generates_ahead = False
     """Whether this loop generates batches ahead of the update (``rollout.max_staleness``)."""
 
-    def __init__(self, config: RunConfig, *, checked: Preflight | None = None):
+    def __init__(self, config: RunConfig, *, checked: Preflight | None = None, warm: WarmWorkers | None = None):
         if config.rollout.max_staleness and not self.generates_ahead:
             raise ConfigError("rollout.max_staleness", f"{config.rollout.max_staleness}: this loop generates each "
                               "batch on the newest weights; use loop.pipeline.make_trainer")  # fmt: skip
         self.config = config
-        self.parts = build_run(config, checked=checked)  # ``checked``: the pre-flight, if run already
+        self.parts = build_run(config, checked=checked, warm=warm)  # the pre-flight, if run; kept processes
         self.reward_errors = RewardErrorStreak(config.trainer.max_consecutive_reward_error_steps)
         self.time_shared = config.rollout.placement == "colocated"
 

@@ -58,8 +58,9 @@ def train_in_process(config) -> list[dict]:
     step order."""
     from megatron_rl.loop.pipeline import make_trainer
     from megatron_rl.observability import read_metrics
+    from tests.ray_cluster import warm_workers
 
-    trainer = make_trainer(config)
+    trainer = make_trainer(config, warm=warm_workers())
     try:
         trainer.run()
     finally:
@@ -96,7 +97,7 @@ def tiny_run(tmp_path_factory):
     from megatron_rl.config.lib import to_dict
     from megatron_rl.loop.pipeline import make_trainer
     from megatron_rl.observability import read_metrics
-    from tests.ray_cluster import shared_ray
+    from tests.ray_cluster import shared_ray, warm_workers
 
     root, cache = tmp_path_factory.mktemp("tiny_runs"), {}
 
@@ -107,7 +108,7 @@ def tiny_run(tmp_path_factory):
         key = json.dumps(settings, sort_keys=True, default=str)
         if key not in cache:
             shared_ray("e2e")
-            trainer = make_trainer(config)
+            trainer = make_trainer(config, warm=warm_workers())
             try:
                 engine_pid = trainer.parts.pool.health()[0]["pid"]
                 transport = trainer.parts.weight_sync.transport

@@ -18,13 +18,14 @@
 from megatron_rl.loop.pipeline import PipelinedTrainer
 from megatron_rl.observability import read_metrics
 from tests.e2e.conftest import ASYNC, ASYNC_STEPS, kill9_and_resume, tiny_config
+from tests.ray_cluster import warm_workers
 
 STEPS = ASYNC_STEPS
 COMPARED = ("rollout/reward/mean", "loss/total", "actor/grad_norm", "rollout/logp_mismatch/max_abs")
 
 
 def _run(out_dir, *extra, submit_early=True):
-    trainer = PipelinedTrainer(tiny_config(out_dir, *STEPS, *extra), submit_early=submit_early)
+    trainer = PipelinedTrainer(tiny_config(out_dir, *STEPS, *extra), submit_early=submit_early, warm=warm_workers())
     try:
         trainer.run()
     finally:

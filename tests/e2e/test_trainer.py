@@ -25,6 +25,7 @@ from tests.e2e.conftest import (
     tiny_config,
     tiny_overrides,
 )
+from tests.ray_cluster import warm_workers
 
 METHOD_KEYS = {
     "grpo": ["loss/ref_kl"],
@@ -37,7 +38,7 @@ METHOD_KEYS = {
 
 
 def run(cfg):
-    trainer = Trainer(cfg)
+    trainer = Trainer(cfg, warm=warm_workers())
     try:
         return trainer.run(), trainer
     finally:

@@ -65,6 +65,10 @@ class RolloutPool(PoolWeights):
         weight_format: the updates' wire format (``rollout.weight_dtype``: ``auto``, ``fp8``).
         lora_rank: engines load the actor's LoRA adapters of this rank at every version
             (``rollout.lora_sync: adapter``; :meth:`load_adapter`); None: merged weights.
+        workers: engine actors an earlier pool started with these same arguments and
+            placement (``loop.warm``), to build their engines again instead of starting
+            new processes (``EngineWorker.reset``); a Ray restart then runs the same
+            constructor as for new ones.
     """
 
     def __init__(
@@ -77,6 +81,7 @@ class RolloutPool(PoolWeights):
         weight_backend: str = "object_store",
         weight_format: str = "auto",
         lora_rank: int | None = None,
+        workers: list[Any] | None = None,
     ):
         import ray
 
@@ -88,7 +93,7 @@ class RolloutPool(PoolWeights):
         if len(placement) != config.num_engines:
             raise ValueError(f"placement has {len(placement)} members for {config.num_engines} engines")
         self.engine_names = [f"{name_prefix}-{i}" for i in range(config.num_engines)]
-        self.actors = [
+        self.actors = workers or [
             ray.remote(EngineWorker)
             .options(max_restarts=config.pool.max_restarts, max_task_retries=0, **options)
             .remote(config.engine, self.model_path, dict(config.engine_args), name, placement.torch_threads,
@@ -118,10 +123,13 @@ class RolloutPool(PoolWeights):
         self._pids: dict[int, int] = {}
         """The last process id each engine answered from (what :meth:`restart` kills when the
         engine does not answer in time to name it)."""
+        if workers is not None and len(workers) != config.num_engines:
+            raise ValueError(f"{len(workers)} engine workers for {config.num_engines} engines")
         # Wait for every engine to load: a bad model path fails here, naming the engine.
-        for i, actor in enumerate(self.actors):
+        ready = [actor.reset.remote() if workers else actor.health.remote() for actor in self.actors]
+        for i, report in enumerate(ready):
             try:
-                self._pids[i] = ray.get(actor.health.remote(), timeout=config.pool.restart_timeout_s)["pid"]
+                self._pids[i] = ray.get(report, timeout=config.pool.restart_timeout_s)["pid"]
             except Exception as exc:
                 self.shutdown()
                 raise RolloutEngineError(f"{self.engine_names[i]} failed to start: {exc}") from exc
@@ -399,6 +407,21 @@ class RolloutPool(PoolWeights):
             except Exception as exc:
                 reports.append({"ok": False, "engine": self.engine_names[i], "error": f"{type(exc).__name__}: {exc}"})
         return reports
+
+    def answers(self, *, timeout_s: float) -> bool:
+        """Whether every engine is live, still in the process it started in (never
+        restarted) and answers within ``timeout_s``."""
+        import ray
+
+        if self._dead or self.restarts:
+            return False
+        try:
+            pending = [actor.health.remote() for actor in self.actors]
+            if ray.wait(pending, num_returns=len(pending), timeout=timeout_s)[1]:
+                return False
+            return all(report["pid"] == self._pids.get(i) for i, report in enumerate(ray.get(pending)))
+        except ray.exceptions.RayError:
+            return False
 
     def node_ids(self) -> list[str | None]:
         """The Ray node id of every engine (``None`` for a dead one), in engine order."""

@@ -9,6 +9,7 @@ forwards the pool's calls to it. ``build_engine`` resolves an engine kind: ``hf`
 
 from __future__ import annotations
 
+import gc
 import importlib
 import logging
 import os
@@ -99,12 +100,27 @@ class EngineWorker:
         # Before the engine imports anything heavy: one process per engine, so the torch
         # thread count is this actor's CPU share, not the whole machine.
         torch.set_num_threads(max(1, num_threads))
-        self.engine = build_engine(kind, model_path, name=name, engine_args=engine_args, weight_backend=weight_backend,
-                                   tensor_parallel_size=tensor_parallel_size, routed_experts=routed_experts,
-                                   lora_rank=lora_rank)  # fmt: skip
-        self.engine.set_weight_format(weight_format)
+        self._build_args = {"kind": kind, "model_path": model_path, "name": name, "engine_args": engine_args,
+                            "weight_backend": weight_backend, "tensor_parallel_size": tensor_parallel_size,
+                            "routed_experts": routed_experts, "lora_rank": lora_rank}  # fmt: skip
+        self._weight_format = weight_format
+        self._build()
+
+    def _build(self) -> None:
+        self.engine = build_engine(**self._build_args)
+        self.engine.set_weight_format(self._weight_format)
         self.transitions: deque[tuple[float, str]] = deque(maxlen=256)
         """The last (wall time, event) pairs: generate, sleep, wake, sync (begin), commit, adapter."""
+
+    def reset(self) -> dict[str, Any]:
+        """Build the engine again from this actor's constructor arguments, in this process:
+        what Ray's restart would give in a new one, without its seconds of imports (a kept
+        engine handed to the next run, ``loop.warm``). Its health report."""
+        self.engine.shutdown()
+        self.engine = None
+        gc.collect()  # the old model's memory before the new one's
+        self._build()
+        return self.health()
 
     def generate(
         self, prompts: list[list[int]], params: SamplingParams, prompt_seeds: list[int]
