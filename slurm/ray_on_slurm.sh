@@ -5,7 +5,10 @@
 #                       node; each is an `srun --overlap` step running ray_node.sh
 #   ray_cluster_wait    polls the head until all SLURM_JOB_NUM_NODES nodes are alive
 #                       (error after MEGATRON_RL_RAY_WAIT_S, default 300 s); exports
-#                       RAY_ADDRESS so a driver started afterwards joins the cluster
+#                       RAY_ADDRESS so a driver started afterwards joins the cluster, and
+#                       RAY_gcs_server_request_timeout_seconds (unless set) to the same
+#                       wait: Ray's own 60 s for a driver to reach the head's GCS is too
+#                       short for a head node under load (seen on a loaded 2-core CI machine)
 #   ray_cluster_stop    SIGTERM to the worker step, then to the head step (`scancel --signal`
 #                       on the job step ids), and waits for their srun processes to end
 #                       (MEGATRON_RL_RAY_STOP_S, 60 s); a step still running then is ended
@@ -111,6 +114,8 @@ _ray_wait_for_head() {
 
 ray_cluster_wait() {
   local expected=${SLURM_JOB_NUM_NODES:-1}
+  # Read by Ray at import: every driver from here on (the wait below, the trainer).
+  export RAY_gcs_server_request_timeout_seconds=${RAY_gcs_server_request_timeout_seconds:-${MEGATRON_RL_RAY_WAIT_S:-300}}
   # One connection, polled twice a second; it also stops early when a Ray step has died.
   mrl_run python - "$MRL_RAY_ADDRESS" "$expected" "${MEGATRON_RL_RAY_WAIT_S:-300}" \
     "$MRL_RAY_HEAD_PID" "${MRL_RAY_WORKERS_PID:-}" <<'EOF'
