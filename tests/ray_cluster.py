@@ -47,11 +47,14 @@ def warm_workers():
     """The actor ranks and engines the in-process runs on the shared cluster hand on to
     each other (``loop.warm.WarmWorkers``: a run rebuilds kept processes of its shape
     instead of starting new ones, seconds of imports each); kept until the cluster is
-    released. ``None`` on a cluster with (fake) GPUs: a GPU run's processes live in its own
-    placement groups."""
+    released. ``None`` on a cluster with (fake) GPUs (a GPU run's processes live in its own
+    placement groups), or with ``MEGATRON_RL_TEST_COLD=1`` (every run starts its processes:
+    what the kept ones save is measured against that)."""
+    import os
+
     from megatron_rl.loop.warm import WarmWorkers
 
-    if any(_NUM_GPUS.get(tier) for tier in _CURRENT):
+    if any(_NUM_GPUS.get(tier) for tier in _CURRENT) or os.environ.get("MEGATRON_RL_TEST_COLD") == "1":
         return None
     if not _WARM:
         _WARM.append(WarmWorkers())
