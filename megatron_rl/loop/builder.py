@@ -269,6 +269,8 @@ def _build_components(
     """Steps 2-4 of the module docstring: placement, actor ranks, engines, weight sync, sink."""
     resume_from, task, tokenizer, hf_config = checked.resume.path, checked.task, checked.tokenizer, checked.hf_config
     actor_group, engine_group, gpu_placement = placements(config.parallel, config.rollout)
+    if warm is not None and gpu_placement is not None:  # a kept rank would die with the run's placement group
+        raise ValueError("warm workers are for CPU runs: a GPU run's placement groups are removed with it")
     if gpu_placement is not None and config.rollout.engine_process == "driver":
         raise ConfigError("rollout.engine_process", "driver: the cluster has GPUs, and an engine in the driver's "
                           "process runs on CPU only (use ray_actor)")  # fmt: skip
@@ -284,8 +286,6 @@ def _build_components(
     if warm is not None and not from_hf:
         engine_dir = warm.engine_dir(engine_dir)  # the same path for runs of the same model: kept engines fit
     overlap = not (gpu_placement is not None and config.rollout.placement == "colocated")
-    if warm is not None and gpu_placement is not None:  # a kept rank would die with the run's placement group
-        raise ValueError("warm workers are for CPU runs: a GPU run's placement groups are removed with it")
     spec = actor_spec(config)
     start_actors = warm.actor_group if warm else ActorGroup
     actors = start_actors(spec, actor_group, wait=not overlap)

@@ -40,7 +40,7 @@ from megatron_rl.actor.group import ActorGroup
 from megatron_rl.actor.spec import ActorSpec
 from megatron_rl.cluster.placement import GroupPlacement
 from megatron_rl.config.rollout import RolloutConfig
-from megatron_rl.rollout.pool.pool import RolloutPool
+from megatron_rl.rollout.pool.pool import RolloutPool, stop_engines
 
 __all__ = ["WarmWorkers"]
 
@@ -57,14 +57,22 @@ def _key(*parts: Any) -> str:
     return json.dumps(parts, sort_keys=True, default=repr)
 
 
+def _take(kept: list[tuple[str, Any]], key: str) -> Any:
+    """Remove and return the newest item kept under ``key`` (None: none is)."""
+    for i in range(len(kept) - 1, -1, -1):
+        if kept[i][0] == key:
+            return kept.pop(i)[1]
+    return None
+
+
 class WarmWorkers:
     """Actor groups and engine actors kept between runs in this driver process (module docstring)."""
 
     def __init__(self) -> None:
-        self._groups: dict[str, list[ActorGroup]] = {}
-        self._order: list[ActorGroup] = []
-        """The kept groups, oldest first."""
-        self._engines: dict[str, list[list[Any]]] = {}
+        self._groups: list[tuple[str, ActorGroup]] = []
+        """The kept actor groups with their placement's key, oldest first."""
+        self._engines: list[tuple[str, list[Any]]] = []
+        """The kept engine actors of a pool each, with their key, oldest first."""
         self._handed_out: dict[int, str] = {}
         """id(group or pool) -> the key it was handed out under."""
         self._dirs: Path | None = None
@@ -78,10 +86,8 @@ class WarmWorkers:
     def actor_group(self, spec: ActorSpec, placement: GroupPlacement, *, wait: bool = True) -> ActorGroup:
         """A group for ``spec`` at ``placement``: a kept one rebuilt, else a new one."""
         key = _key(placement.torch_threads, placement.ray_options, placement.visible_devices)
-        group = None
-        if self._groups.get(key):
-            group = self._groups[key].pop()
-            self._order.remove(group)
+        group = _take(self._groups, key)
+        if group is not None:
             try:
                 # A rank that died while kept fails here, before the rebuild (which may not wait).
                 if not group.answers(timeout_s=HAND_BACK_TIMEOUT_S):
@@ -105,12 +111,9 @@ class WarmWorkers:
         if key is None or not group.answers(timeout_s=HAND_BACK_TIMEOUT_S):
             group.shutdown()
             return
-        self._groups.setdefault(key, []).append(group)
-        self._order.append(group)
-        while sum(len(g.workers) for g in self._order) > MAX_KEPT_ACTOR_RANKS:
-            oldest = self._order.pop(0)
-            next(kept for kept in self._groups.values() if oldest in kept).remove(oldest)
-            oldest.shutdown()
+        self._groups.append((key, group))
+        while sum(len(g.workers) for _, g in self._groups) > MAX_KEPT_ACTOR_RANKS:
+            self._groups.pop(0)[1].shutdown()
 
     # ------------------------------------------------------------------ engines
 
@@ -136,10 +139,10 @@ class WarmWorkers:
         key = _key(config.engine, model_path, config.engine_args, config.num_engines, config.tensor_parallel_size,
                    config.routing_replay, config.pool.max_restarts, placement.torch_threads, placement.ray_options,
                    placement.visible_devices, kwargs)  # fmt: skip
-        pool = None
-        if self._engines.get(key):
+        kept, pool = _take(self._engines, key), None
+        if kept is not None:
             try:
-                pool = RolloutPool(config, model_path, placement=placement, workers=self._engines[key].pop(), **kwargs)
+                pool = RolloutPool(config, model_path, placement=placement, workers=kept, **kwargs)
                 self.reused["pools"] += 1
             except Exception:  # noqa: BLE001  (the pool stopped the engines; new ones instead)
                 logger.warning("kept engines failed to reset; starting new ones", exc_info=True)
@@ -154,9 +157,8 @@ class WarmWorkers:
         """Keep ``pool``'s engine actors for a later run if none was restarted or given up
         and each answers within :data:`HAND_BACK_TIMEOUT_S`; shut the pool down otherwise."""
         key = self._handed_out.pop(id(pool), None)
-        answered = key is not None and pool.answers(timeout_s=HAND_BACK_TIMEOUT_S)
-        if answered:
-            self._engines.setdefault(key, []).append(list(pool.actors))
+        if key is not None and pool.answers(timeout_s=HAND_BACK_TIMEOUT_S):
+            self._engines.append((key, list(pool.actors)))  # not the pool: its kept weight buckets go
         else:
             pool.shutdown()
 
@@ -164,9 +166,8 @@ class WarmWorkers:
 
     def close(self) -> None:
         """Stop every kept process; remove the engine directories."""
-        groups, self._order = self._order, []
-        self._groups.clear()
-        for group in groups:
+        groups, self._groups = self._groups, []
+        for _, group in groups:
             group.shutdown()
         self._stop_engines()
         if self._dirs is not None:
@@ -174,13 +175,6 @@ class WarmWorkers:
             self._dirs = None
 
     def _stop_engines(self) -> None:
-        import ray
-
-        engines = [a for kept in self._engines.values() for actors in kept for a in actors]
-        self._engines.clear()
-        for actor in engines:
-            try:
-                ray.get(actor.shutdown.remote(), timeout=30)
-            except Exception:  # noqa: BLE001  (gone already; killed below either way)
-                pass
-            ray.kill(actor, no_restart=True)
+        kept, self._engines = self._engines, []
+        for _, actors in kept:
+            stop_engines(actors)

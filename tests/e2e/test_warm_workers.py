@@ -71,13 +71,12 @@ def test_a_run_on_kept_processes_logs_what_a_run_on_new_ones_does(tmp_path):
                 assert same, (step, key, value, kept[step][key])
 
         # Kept processes that died are stopped and replaced by new ones.
-        for key in warm._groups:
-            ray.kill(warm._groups[key][0].workers[0])
-        for key in warm._engines:
-            ray.kill(warm._engines[key][0][0], no_restart=True)
+        for _, group in warm._groups:
+            ray.kill(group.workers[0])
+        for _, engines in warm._engines:
+            ray.kill(engines[0], no_restart=True)
         _, replaced_pids, _ = _train(tiny_config(tmp_path / "replaced", *BASELINE), warm)
         assert set(replaced_pids).isdisjoint(kept_pids)
         assert warm.started == {"actor_groups": 2, "pools": 2} and warm.reused == {"actor_groups": 1, "pools": 1}
     finally:
         warm.close()
-

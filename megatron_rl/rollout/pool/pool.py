@@ -45,7 +45,7 @@ from megatron_rl.rollout.pool.worker import EngineWorker
 from megatron_rl.weight_sync.client import TransferFailedError
 from megatron_rl.weight_sync.meta import TensorMeta
 
-__all__ = ["RolloutEngineError", "RolloutPool"]
+__all__ = ["RolloutEngineError", "RolloutPool", "stop_engines"]
 
 logger = logging.getLogger(__name__)
 
@@ -440,16 +440,24 @@ class RolloutPool(PoolWeights):
     def shutdown(self) -> None:
         """Shut every engine down (vLLM stops its engine-core processes), then kill the
         actors (no restart) and drop the kept weight buckets."""
-        import ray
-
-        try:  # a dead or stuck engine must not keep the others alive
-            ray.wait([self.actors[i].shutdown.remote() for i in self.live_engines], num_returns=len(self.live_engines),
-                     timeout=30)  # fmt: skip
-        except Exception:
-            pass
-        for actor in self.actors:
-            try:
-                ray.kill(actor, no_restart=True)
-            except Exception:  # already gone
-                pass
+        stop_engines(self.actors, live=self.live_engines)
         self._restore_refs = []
+
+
+def stop_engines(actors: Sequence[Any], *, live: Iterable[int] | None = None, timeout_s: float = 30.0) -> None:
+    """Shut the engines of ``actors`` down (those at ``live``; default all), waiting at most
+    ``timeout_s`` (a dead or stuck engine must not keep the others alive), then kill every
+    actor with no restart."""
+    import ray
+
+    live = range(len(actors)) if live is None else live
+    try:
+        pending = [actors[i].shutdown.remote() for i in live]
+        ray.wait(pending, num_returns=len(pending), timeout=timeout_s)
+    except Exception:
+        pass
+    for actor in actors:
+        try:
+            ray.kill(actor, no_restart=True)
+        except Exception:  # already gone
+            pass
