@@ -162,20 +162,24 @@ class KilledAndResumed:
 def kill9_and_resume(
     tmp_path, *args: str, checkpointed: int, logged: int, example: Path = EXAMPLE, command: str = "train"
 ) -> KilledAndResumed:
-    """Run the demo (or ``example``, with ``megatron-rl command``) with ``args`` uninterrupted (``tmp_path/a``) and, at the same time, again
-    (``tmp_path/b``); SIGKILL the second's process group once checkpoint
-    ``step_<checkpointed>`` exists and step ``logged`` is in ``metrics.jsonl``, then rerun it
-    there to the end (it resumes). The two first runs are separate processes with the same
-    settings, so running them side by side changes no number, only the wall time."""
+    """Run the demo (or ``example``, with ``megatron-rl command``) with ``args`` in a CLI
+    process (``tmp_path/b``); SIGKILL its process group once checkpoint
+    ``step_<checkpointed>`` exists and step ``logged`` is in ``metrics.jsonl``, rerun it
+    there to the end (it resumes), and compare with the same settings run uninterrupted
+    (``tmp_path/a``). The uninterrupted run is trained in this process on the e2e tier's
+    cluster (:func:`train_in_process`; an SFT run with its own actor ranks): the same
+    settings in other processes give the same numbers, and it saves a second CLI run's
+    Ray cluster, driver and process start-up."""
     import time
 
     from megatron_rl.observability import read_metrics
     from tests.helpers.jobs import kill_group
+    from tests.ray_cluster import shared_ray
 
     tmp_path.mkdir(parents=True, exist_ok=True)
-    ref = train_cli(tmp_path / "a", *args, log=tmp_path / "a.log", example=example, command=command)
     victim = train_cli(tmp_path / "b", *args, log=tmp_path / "b.log", example=example, command=command)
-    ref_dir, run_dir = (tiny_config(tmp_path / d, *args, example=example, command=command).run_dir for d in ("a", "b"))
+    ref_config = tiny_config(tmp_path / "a", *args, example=example, command=command)
+    run_dir = tiny_config(tmp_path / "b", *args, example=example, command=command).run_dir
     try:
         deadline = time.time() + 600
         while time.time() < deadline:
@@ -188,17 +192,27 @@ def kill9_and_resume(
         kill_group(victim)
         victim.wait()
         latest = (run_dir / "checkpoints" / "latest").read_text().strip()
-        assert ref.wait(timeout=600) == 0, (tmp_path / "a.log").read_text()
     finally:
         kill_group(victim)
-        if ref.poll() is None:
-            kill_group(ref)
+
+    shared_ray("e2e")
+    if command == "sft":
+        from megatron_rl.loop.sft import SFTTrainer
+
+        trainer = SFTTrainer(ref_config)
+        try:
+            trainer.run()
+        finally:
+            trainer.close()
+        uninterrupted = read_metrics(ref_config.run_dir)
+    else:
+        uninterrupted = train_in_process(ref_config)
 
     resumed = train_cli(tmp_path / "b", *args, example=example, command=command)
     out, _ = resumed.communicate(timeout=600)
     assert resumed.returncode == 0, out
     return KilledAndResumed(
-        uninterrupted={r["step"]: r for r in read_metrics(ref_dir)},
+        uninterrupted={r["step"]: r for r in uninterrupted},
         resumed={r["step"]: r for r in read_metrics(run_dir)},
         run_dir=run_dir,
         latest_after_kill=latest,

@@ -28,7 +28,7 @@ import torch
 
 from megatron_rl import cli
 from megatron_rl.storage.checkpoints import checkpoint_files, file_digest, write_manifest
-from tests.e2e.conftest import EXAMPLE, ROOT, TOY, tiny_overrides
+from tests.e2e.conftest import EXAMPLE, ROOT, TOY, tiny_config, tiny_overrides, train_in_process
 from tests.helpers.checkpoints import CORRUPTIONS, largest_shard
 from tests.helpers.runs import descendants, logged_steps, wait_for_steps, wait_tree_gone
 
@@ -89,12 +89,11 @@ def test_kill9_before_the_first_checkpoint_leaves_no_process_and_the_rerun_logs_
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory) -> Path:
-    """One 2-step run with a checkpoint after each step, shared by the corruption cases."""
+def trained(tmp_path_factory, ray_session) -> Path:
+    """One 2-step run with a checkpoint after each step, shared by the corruption cases
+    (trained in this process: only its files are used)."""
     out_dir = tmp_path_factory.mktemp("trained")
-    proc = _cli(out_dir, "trainer.num_steps=2", "trainer.save_every_steps=1")
-    out = _finish(proc)
-    assert proc.returncode == 0, out
+    train_in_process(tiny_config(out_dir, *QUICK, "trainer.num_steps=2", "trainer.save_every_steps=1"))
     return out_dir
 
 
