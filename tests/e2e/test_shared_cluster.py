@@ -7,7 +7,8 @@ tiny CPU demo with ``trainer.save_every_steps: 0`` (no checkpoint unless the sto
   ``ray_current_cluster``) starts a cluster of its own;
 * SIGTERM (synchronous loop) and SIGINT (one-step-off loop, an update possibly submitted
   early) stop the run after the step in progress with a checkpoint of it, exit 3, and
-  leave no process; the rerun continues with every step logged exactly once;
+  leave no process; the rerun (trained in the test process: resuming is the trainer's)
+  continues with every step logged exactly once;
 * a second signal aborts at once (exit 128 + N, no process left, the latest checkpoint
   stays the latest) and the rerun still logs every step once;
 * an actor rank killed mid-run (the OOM killer, a lost node) ends the run with one
@@ -35,7 +36,7 @@ import yaml
 
 from megatron_rl.cluster.processes import process_start_time
 from megatron_rl.storage.checkpoints import read_latest
-from tests.e2e.conftest import ASYNC, EXAMPLE, ROOT, tiny_overrides
+from tests.e2e.conftest import ASYNC, EXAMPLE, ROOT, tiny_config, tiny_overrides, train_in_process
 from tests.helpers.runs import cmdline, descendants, logged_steps, wait_for_steps, wait_tree_gone
 
 pytestmark = pytest.mark.e2e
@@ -63,10 +64,12 @@ def _stop(proc: subprocess.Popen, *signals: signal.Signals) -> tuple[int, str]:
     return proc.returncode, out
 
 
-def _finish(proc: subprocess.Popen) -> str:
-    out, _ = proc.communicate(timeout=600)
-    assert proc.returncode == 0, out
-    return out
+def _resume_in_process(out_dir: Path, *extra: str) -> None:
+    """The run in ``out_dir`` resumed with ``extra`` and trained to its end in this process."""
+    from tests.ray_cluster import shared_ray
+
+    shared_ray("e2e")
+    train_in_process(tiny_config(out_dir, *QUICK, *extra))
 
 
 def test_sigterm_checkpoints_the_step_in_progress_and_a_second_launch_changes_nothing(tmp_path):
@@ -99,8 +102,8 @@ def test_sigterm_checkpoints_the_step_in_progress_and_a_second_launch_changes_no
     assert read_latest(run_dir / "checkpoints").name == f"step_{last:06d}"
     assert "Traceback" not in out, out
 
-    rerun = _cli(tmp_path, f"trainer.num_steps={last + 2}", env=env)
-    _finish(rerun)
+    # The rerun resumes in this process (the e2e tier's cluster): resuming is the trainer's, not the CLI's.
+    _resume_in_process(tmp_path, f"trainer.num_steps={last + 2}")
     assert logged_steps(run_dir) == list(range(1, last + 3)), "every step once: none lost, none repeated"
 
 
@@ -125,8 +128,7 @@ def test_sigint_stops_the_one_step_off_loop_and_a_second_signal_aborts(tmp_path)
     assert read_latest(run_dir / "checkpoints").name == f"step_{first:06d}"
     assert sorted(p.name for p in (run_dir / "checkpoints").glob("step_*")) == [f"step_{first:06d}"]
 
-    final = _cli(tmp_path, f"trainer.num_steps={first + 3}", *ASYNC)
-    _finish(final)
+    _resume_in_process(tmp_path, f"trainer.num_steps={first + 3}", *ASYNC)
     assert logged_steps(run_dir) == list(range(1, first + 4)), "every step once: none lost, none repeated"
 
 
