@@ -50,8 +50,8 @@ EXTRAS_REQUIRE = {
     "test": [
         "pytest>=8",
         "pytest-timeout>=2.3",
-        # Test workers (README: pytest -n 3): the tests often wait on processes they start,
-        # which one pytest left the second core of a 2-core machine idle for a third of the time.
+        # Two test workers (README: pytest -n 2): the tests mostly wait on processes they start,
+        # which left the second core of a 2-core machine idle a third of the time.
         "pytest-xdist>=3.6,<4",
         "hypothesis>=6.100",
         # The fused loss's Triton kernels run under Triton's interpreter on CPU machines

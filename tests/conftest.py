@@ -60,7 +60,7 @@ _TIER_SECONDS: dict[str, float] = {}
 def pytest_runtest_logreport(report):
     """Seconds per tier (setup, call and teardown of its tests, module fixtures included).
     Under xdist the controller gets every worker's reports; worker seconds add up, so with
-    three workers the tiers sum to about three times the wall time."""
+    two workers the tiers sum to about twice the wall time."""
     tier = _tier_of(report.nodeid)
     if tier is not None:
         _TIER_SECONDS[tier] = _TIER_SECONDS.get(tier, 0.0) + report.duration
@@ -86,12 +86,11 @@ def pytest_sessionfinish(session, exitstatus):
 
 
 # ---------------------------------------------------------------------------------------
-# Three workers on the 2-core CI machine (README's test command: ``pytest -n 3``). The
-# suite's tests often wait on processes they start (a Ray cluster coming up, a run polled
-# until it can be killed, a call time-out): one pytest left the second core idle about a
-# third of the time, two still left the cores idle ~8% of a run. Work is handed out a module
-# at a time, so module fixtures (a vLLM engine, a Ray cluster) are built once; modules
-# sharing a session fixture go to the same worker as one unit, so it is built once too.
+# Two workers (README's test command: ``pytest -n 2``). The suite's tests mostly wait on
+# processes they start, so one pytest left the 2-core CI machine's second core idle about a
+# third of the time. Work is handed out a module at a time, so module fixtures (a vLLM
+# engine, a Ray cluster) are built once; modules sharing a session fixture go to the same
+# worker as one unit, so it is built once too.
 
 _SHARED_SCOPES = {
     # the local Slurm cluster (tests/slurm/conftest.py), one per machine: its directory is fixed

@@ -94,7 +94,7 @@ EOF
 status=0
 # The GPU suite's tiny run with megatron-core 0.19.2 is tests/install/test_gpu_wheelhouse.py's
 # (the wheelhouse's 0.19.2, under the GPU image's imports): not run a third time here.
-"$py" -m pytest -n 3 -m "mcore and (unit or distributed)" -p no:cacheprovider \
+"$py" -m pytest -n 2 -m "mcore and (unit or distributed)" -p no:cacheprovider \
     --deselect tests/unit/test_gpu_suite.py::test_every_case_reports_finite_numbers \
     --deselect tests/unit/test_gpu_suite.py::test_float32_actor_logprobs_match_a_float64_reference \
     --deselect tests/unit/test_gpu_suite.py::test_markdown_table_has_a_section_per_case \
