@@ -49,10 +49,12 @@ class LocalSlurm:
 
     def submit_and_wait(
         self, *args: str, env: dict[str, str] | None = None, timeout_s: int = 300,
-        while_running: Callable[[str], None] | None = None,
+        while_running: Callable[[str, Callable[[], bool]], None] | None = None,
     ) -> Job:  # fmt: skip
         """``sbatch_wait.sh ARGS`` (submit, poll until the job ends); the job's outcome.
-        ``while_running(job_id)`` is called once the job is submitted (before it ends)."""
+        ``while_running(job_id, ended)`` is called once the job is submitted; ``ended()``
+        tells it when the job has ended (a wait for something the job will never do stops
+        there, with the job's outcome in the test's failure)."""
         proc = subprocess.Popen(
             [str(LOCAL / "sbatch_wait.sh"), *args],
             env={**self.env, **(env or {}), "SBATCH_WAIT_TIMEOUT": str(timeout_s)},
@@ -63,7 +65,7 @@ class LocalSlurm:
             if while_running is not None:
                 submitted = re.search(r"submitted job (\d+)", first)
                 assert submitted, f"sbatch_wait.sh did not submit: {first}"
-                while_running(submitted.group(1))
+                while_running(submitted.group(1), lambda: proc.poll() is not None)
             out, err = proc.communicate(timeout=timeout_s + 30)
         finally:
             if proc.poll() is None:

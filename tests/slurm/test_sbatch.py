@@ -134,10 +134,13 @@ def test_slurms_early_warning_stops_the_run_with_a_checkpoint(local_slurm, tmp_p
     the driver, which finishes its step, checkpoints it and exits 3; Ray is stopped."""
     run_dir = tmp_path / "runs" / "slurm"
 
-    def warn_when_two_steps_are_logged(job_id: str) -> None:
+    def warn_when_two_steps_are_logged(job_id: str, ended) -> None:
         deadline = time.monotonic() + 400
         while not ((run_dir / "metrics.jsonl").exists() and len(logged_steps(run_dir)) >= 2):
             assert time.monotonic() < deadline, "the job logged no two steps"
+            if ended():
+                out = tmp_path / f"job-{job_id}.out"  # sbatch_args' --output
+                pytest.fail(f"job {job_id} ended before it logged two steps:\n{out.read_text()[-6000:] if out.exists() else ''}")
             time.sleep(0.2)
         subprocess.run(["scancel", "--batch", "--signal=USR1", job_id], env=local_slurm.env, check=True)
 
