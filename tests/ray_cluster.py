@@ -33,13 +33,16 @@ def shared_ray(tier: str) -> None:
     """Make sure the shared cluster of ``tier`` is up (``ray.init`` in this process)."""
     import ray
 
+    from megatron_rl.loop.builder import start_local_ray
+
     if ray.is_initialized() and _CURRENT != [tier]:
         release_ray()
     if not ray.is_initialized():
         # address="local": a cluster of its own, never one a `ray start` on this machine left named in
         # /tmp/ray/ray_current_cluster (what ray.init() without an address would join).
-        ray.init(address="local", num_cpus=_NUM_CPUS.get(tier, 4), num_gpus=_NUM_GPUS.get(tier, 0),
-                 include_dashboard=False, configure_logging=False, log_to_driver=False)  # fmt: skip
+        # Started again if the node does not come up (a slow dashboard agent on a busy machine).
+        start_local_ray(lambda: ray.init(address="local", num_cpus=_NUM_CPUS.get(tier, 4), num_gpus=_NUM_GPUS.get(tier, 0),
+                                         include_dashboard=False, configure_logging=False, log_to_driver=False))  # fmt: skip
         _CURRENT[:] = [tier]
 
 

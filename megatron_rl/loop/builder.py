@@ -23,6 +23,7 @@ placement groups on a GPU cluster, checked against the cluster before any actor 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 from collections.abc import Callable
@@ -65,7 +66,9 @@ from megatron_rl.rollout.pool.worker import engine_class
 from megatron_rl.tasks import Task
 from megatron_rl.weight_sync.sync import WeightSync, resolve_transport
 
-__all__ = ["RayClusterError", "Run", "actor_spec", "build_run", "close_all", "placements", "start_ray"]
+__all__ = ["RayClusterError", "Run", "actor_spec", "build_run", "close_all", "placements", "start_local_ray", "start_ray"]
+
+logger = logging.getLogger(__name__)
 
 
 class RayClusterError(RuntimeError):
@@ -232,13 +235,69 @@ def build_run(config: RunConfig, *, checked: Preflight | None = None, warm: Warm
     return run
 
 
+RAY_START_TRIES = 3
+"""Tries to start a run's local Ray cluster. Ray's raylet gives its dashboard agent (a
+Python process) a fixed 15 s to report its ports and aborts the node when the agent is
+slower, which a machine with every core busy can make it; ``ray.init`` then raises "The
+current node timed out during startup" after its own fixed 30 s. The next try usually wins."""
+
+_RAY_START_RACE = "timed out during startup"
+"""What Ray's (plain ``Exception``) error says when the node did not come up."""
+
+
 def start_ray(run_dir: Path) -> None:
     """Ray for the run: the cluster ``RAY_ADDRESS`` names (Slurm's), else a local one of the
     run's own, never one named by a file another cluster left (``address="local"``; Ray's
-    default reads ``/tmp/ray/ray_current_cluster``, stale or someone else's)."""
+    default reads ``/tmp/ray/ray_current_cluster``, stale or someone else's). A local
+    cluster that does not come up is started again (:data:`RAY_START_TRIES`), the failed
+    try's processes stopped first."""
     if ray.is_initialized():  # the caller's (tests, notebooks)
         return
     address = os.environ.get("RAY_ADDRESS") or "local"
+    if address == "local":
+        start_local_ray(lambda: _init_ray(address, run_dir))
+    else:
+        _init_ray(address, run_dir)
+
+
+def start_local_ray(init: Callable[[], Any]) -> None:
+    """``init()`` (a ``ray.init`` that starts a cluster of this process's own), tried again
+    while the node does not come up (:data:`RAY_START_TRIES`), the failed try's processes
+    stopped first."""
+    for attempt in range(1, RAY_START_TRIES + 1):
+        before = _child_pids()
+        try:
+            init()
+            return
+        except Exception as e:
+            if _RAY_START_RACE not in str(e) or attempt == RAY_START_TRIES:
+                raise
+            logger.warning("the local Ray cluster did not come up (try %d of %d: %s); stopping what it started and "
+                           "starting it again", attempt, RAY_START_TRIES, e)  # fmt: skip
+            _kill_children_since(before)
+
+
+def _child_pids() -> set[int]:
+    import psutil
+
+    return {p.pid for p in psutil.Process().children(recursive=True)}
+
+
+def _kill_children_since(before: set[int]) -> None:
+    """SIGKILL this process's descendants not in ``before`` (a failed Ray start's GCS, agents, log monitor)."""
+    import psutil
+
+    new = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+    for proc in new:
+        try:
+            proc.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(new, timeout=10)
+    ray.shutdown()  # whatever state the failed ray.init left in this process
+
+
+def _init_ray(address: str, run_dir: Path) -> None:
     try:
         ray.init(
             address=address,
