@@ -275,6 +275,7 @@ def start_local_ray(init: Callable[[], Any]) -> None:
             logger.warning("the local Ray cluster did not come up (try %d of %d: %s); stopping what it started and "
                            "starting it again", attempt, RAY_START_TRIES, e)  # fmt: skip
             _kill_children_since(before)
+            ray.shutdown()  # whatever state the failed ray.init left in this process
 
 
 def _child_pids() -> set[int]:
@@ -294,7 +295,6 @@ def _kill_children_since(before: set[int]) -> None:
         except psutil.NoSuchProcess:
             pass
     psutil.wait_procs(new, timeout=10)
-    ray.shutdown()  # whatever state the failed ray.init left in this process
 
 
 def _init_ray(address: str, run_dir: Path) -> None:
