@@ -29,57 +29,14 @@ import sys
 import time
 from pathlib import Path
 
-from megatron_rl.cluster.processes import process_start_time
+from megatron_rl.cluster.processes import descendants, process_start_time, signal_all
 
-__all__ = ["descendants", "leftover_shm_files", "start"]
+__all__ = ["leftover_shm_files", "start"]
 
 _PROC = Path("/proc")
 _SHM = Path("/dev/shm")
 _POLL_S = 1.0
 _GRACE_S = 1.0
-
-
-def _parents() -> dict[int, tuple[int, int]]:
-    """``{pid: (parent pid, start time)}`` of every live process."""
-    table = {}
-    for entry in _PROC.iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = (entry / "stat").read_text().rpartition(")")[2].split()
-            except OSError:
-                continue  # exited while we looked
-            if fields[0] not in ("Z", "X"):
-                table[int(entry.name)] = (int(fields[1]), int(fields[19]))
-    return table
-
-
-def descendants(roots: set[int], table: dict[int, tuple[int, int]] | None = None) -> dict[int, int]:
-    """``{pid: start time}`` of every live descendant of the processes ``roots``."""
-    table = _parents() if table is None else table
-    children: dict[int, list[int]] = {}
-    for pid, (ppid, _) in table.items():
-        children.setdefault(ppid, []).append(pid)
-    found: dict[int, int] = {}
-    stack = list(roots)
-    while stack:
-        for child in children.get(stack.pop(), ()):
-            if child not in found:
-                found[child] = table[child][1]
-                stack.append(child)
-    return found
-
-
-def _signal_all(processes: dict[int, int], sig: int) -> int:
-    """Send ``sig`` to each ``{pid: start time}`` that is still that process; how many got it."""
-    sent = 0
-    for pid, started in processes.items():
-        if process_start_time(pid) == started:
-            try:
-                os.kill(pid, sig)
-                sent += 1
-            except OSError:
-                pass
-    return sent
 
 
 def leftover_shm_files(pids: set[int], directory: Path = _SHM) -> list[Path]:
@@ -105,11 +62,11 @@ def watch(driver: int, driver_start: int) -> None:
     # Processes started since the last look are still children of recorded ones.
     seen.update(descendants(set(seen)))
     seen.pop(me, None)
-    if _signal_all(seen, signal.SIGTERM):
+    if signal_all(seen, signal.SIGTERM):
         deadline = time.monotonic() + _GRACE_S
         while time.monotonic() < deadline and any(process_start_time(p) == s for p, s in seen.items()):
             time.sleep(0.05)
-        _signal_all(seen, signal.SIGKILL)
+        signal_all(seen, signal.SIGKILL)
     for path in leftover_shm_files({driver, *seen}):
         path.unlink(missing_ok=True)
 

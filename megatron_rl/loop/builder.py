@@ -26,6 +26,8 @@ import json
 import logging
 import os
 import shutil
+import signal
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,6 +50,7 @@ from megatron_rl.cluster.placement import (
     plan_gpu_placement,
     write_placement,
 )
+from megatron_rl.cluster.processes import descendants, process_start_time, signal_all
 from megatron_rl.config.lib import ConfigError, save_resolved, to_dict
 from megatron_rl.config.parallel import ParallelConfig
 from megatron_rl.config.rollout import RolloutConfig
@@ -265,7 +268,7 @@ def start_local_ray(init: Callable[[], Any]) -> None:
     while the node does not come up (:data:`RAY_START_TRIES`), the failed try's processes
     stopped first."""
     for attempt in range(1, RAY_START_TRIES + 1):
-        before = _child_pids()
+        before = descendants({os.getpid()})
         try:
             init()
             return
@@ -274,27 +277,13 @@ def start_local_ray(init: Callable[[], Any]) -> None:
                 raise
             logger.warning("the local Ray cluster did not come up (try %d of %d: %s); stopping what it started and "
                            "starting it again", attempt, RAY_START_TRIES, e)  # fmt: skip
-            _kill_children_since(before)
+            # What the failed try started (GCS, agents, log monitor): this process's new descendants.
+            started = {pid: t for pid, t in descendants({os.getpid()}).items() if pid not in before}
+            signal_all(started, signal.SIGKILL)
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline and any(process_start_time(p) == t for p, t in started.items()):
+                time.sleep(0.05)
             ray.shutdown()  # whatever state the failed ray.init left in this process
-
-
-def _child_pids() -> set[int]:
-    import psutil
-
-    return {p.pid for p in psutil.Process().children(recursive=True)}
-
-
-def _kill_children_since(before: set[int]) -> None:
-    """SIGKILL this process's descendants not in ``before`` (a failed Ray start's GCS, agents, log monitor)."""
-    import psutil
-
-    new = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
-    for proc in new:
-        try:
-            proc.kill()
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(new, timeout=10)
 
 
 def _init_ray(address: str, run_dir: Path) -> None:

@@ -8,8 +8,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from megatron_rl.cli.reaper import descendants
-from megatron_rl.cluster.processes import process_start_time
+from megatron_rl.cluster.processes import descendants, process_start_time
 from megatron_rl.observability import read_metrics
 
 __all__ = ["alive", "cmdline", "descendants", "logged_steps", "wait_for_steps", "wait_tree_gone"]

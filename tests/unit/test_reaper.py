@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from megatron_rl.cli import reaper
+from megatron_rl.cluster import processes
 from megatron_rl.cluster.processes import process_start_time
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
@@ -69,10 +70,10 @@ def test_leftover_shm_files_are_those_named_after_the_given_processes(tmp_path):
 
 def test_descendants_follow_the_parent_links():
     table = {10: (1, 100), 11: (10, 110), 12: (11, 120), 13: (1, 130), 14: (13, 140)}
-    assert reaper.descendants({10}, table) == {11: 110, 12: 120}
-    assert reaper.descendants({99}, table) == {}
+    assert processes.descendants({10}, table) == {11: 110, 12: 120}
+    assert processes.descendants({99}, table) == {}
 
 
 def test_a_reused_pid_is_not_signalled():
     me = os.getpid()
-    assert reaper._signal_all({me: process_start_time(me) + 1}, signal.SIGTERM) == 0
+    assert processes.signal_all({me: process_start_time(me) + 1}, signal.SIGTERM) == 0
