@@ -211,6 +211,13 @@ def test_bad_model_path_fails_at_start_naming_the_engine(ray_cluster, tmp_path):
         RolloutPool(RolloutConfig(pool=PoolConfig(max_restarts=0)), str(tmp_path / "missing"))
 
 
+def test_an_engine_slower_to_load_than_the_timeout_fails_naming_the_setting(ray_cluster, ckpts):
+    config = RolloutConfig(engine="tests.helpers.rollout_engines:SlowStartEngine", engine_args={"start_delay_s": 60},
+                           pool=PoolConfig(max_restarts=0, restart_timeout_s=1))  # fmt: skip
+    with pytest.raises(RolloutEngineError, match=r"rollout-0 failed to start: not up within rollout.pool.restart_timeout_s=1$"):
+        RolloutPool(config, str(ckpts[0]))
+
+
 def test_engine_out_of_restarts_is_given_up_and_the_others_serve(ray_cluster, ckpts):
     # max_restarts=0: the killed engine never comes back. The pool knows Ray has no restart
     # left for it, so it is declared dead (not waited for until restart_timeout_s), and

@@ -77,6 +77,14 @@ class NoRoutesEngine(HFEngine):
     routed_experts = False
 
 
+class SlowStartEngine(HFEngine):
+    """The built-in engine, taking ``start_delay_s`` longer to load (a large model's first load)."""
+
+    def __init__(self, model_path: str, *, name: str = "slow-start", start_delay_s: float, **engine_args: Any):
+        time.sleep(start_delay_s)
+        super().__init__(model_path, name=name, **engine_args)
+
+
 class AlwaysCrashEngine(HFEngine):
     """Exits its process on every ``generate``: a request to it fails even after a restart."""
 

@@ -48,8 +48,15 @@ def _wait_none_tagged(tag, timeout_s):
     return left
 
 
+START_TIMEOUT = "rollout.pool.restart_timeout_s=1200"
+"""Two runs side by side, each starting vLLM's processes (four with a tensor-parallel engine,
+~8 CPU-s of imports each), next to another test worker: on a slow shared 2-core CI machine an
+engine's start outlasted the default 300 s once (the engine then fails to start; the test
+checks what the runs compute, not how fast they start)."""
+
+
 def _train(out_dir, tag, log=None, args=ARGS):
-    cmd = [sys.executable, "-m", "megatron_rl", "train", str(EXAMPLE), *tiny_overrides(out_dir, *args)]
+    cmd = [sys.executable, "-m", "megatron_rl", "train", str(EXAMPLE), *tiny_overrides(out_dir, START_TIMEOUT, *args)]
     env = {**os.environ, "MEGATRON_RL_TEST_RUN": tag}
     out = subprocess.PIPE if log is None else open(log, "w")  # noqa: SIM115  (closed with the process)
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, text=True)

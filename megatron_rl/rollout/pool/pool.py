@@ -131,8 +131,15 @@ class RolloutPool(PoolWeights):
             try:
                 self._pids[i] = ray.get(report, timeout=config.pool.restart_timeout_s)["pid"]
             except Exception as exc:
-                self.shutdown()
-                raise RolloutEngineError(f"{self.engine_names[i]} failed to start: {exc}") from exc
+                # Shut down the engines that are up; one still loading cannot answer, so it
+                # is killed without waiting for that.
+                up, _ = ray.wait(ready, num_returns=len(ready), timeout=0)
+                stop_engines(self.actors, live=[j for j, ref in enumerate(ready) if ref in up and j != i])
+                # A timeout names its setting: a large model's first load (or a busy machine)
+                # can outlast the default, and raising it is the user's fix.
+                timed_out = isinstance(exc, ray.exceptions.GetTimeoutError)
+                why = f"not up within rollout.pool.restart_timeout_s={config.pool.restart_timeout_s:g}" if timed_out else exc
+                raise RolloutEngineError(f"{self.engine_names[i]} failed to start: {why}") from exc
 
     # ------------------------------------------------------------------ properties
 
