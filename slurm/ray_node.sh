@@ -16,6 +16,7 @@
 #   MEGATRON_RL_RAY_TMPDIR              Ray's --temp-dir (default /tmp/ray-JOBID); keep it
 #       short and node-local: Ray puts its Unix sockets there
 #   MEGATRON_RL_RAY_OBJECT_STORE_BYTES  object store size per node (default: Ray's, 30% of RAM)
+#   MEGATRON_RL_RAY_START_TRIES         starts of a node that exits before it comes up (3)
 #   MEGATRON_RL_RAY_NODE_PORT_BASE      fixed ports (for firewalled clusters): node k uses
 #       BASE + k*STRIDE + 1..6 for its own services and BASE + k*STRIDE + 100.. for workers
 #       (the head's GCS port is BASE unless MEGATRON_RL_RAY_PORT says otherwise)
@@ -69,8 +70,6 @@ if [ -n "${MEGATRON_RL_RAY_NODE_PORT_BASE:-}" ]; then
     --dashboard-agent-listen-port=$((base + 5)) --metrics-export-port=$((base + 6))
     --min-worker-port=$((base + 100)) --max-worker-port=$((base + (stride > 0 ? stride - 1 : 999)))
   )
-else
-  args+=(--dashboard-agent-listen-port="$(free_port)")
 fi
 
 if [ "$role" = head ]; then
@@ -88,29 +87,51 @@ fi
 # services moving traffic away); at the end of a job there is nothing to move.
 export RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S=${RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S:-0}
 
-# Ray is chatty: its output goes to a log per node; errors before this line go to the job's output.
+# Ray is chatty: its output goes to a log per node; the job's output (fd 3) gets the
+# start, the warnings below and errors before this line.
 log=${MRL_RAY_LOG_DIR:-.}/ray-${SLURM_JOB_ID:-local}-$node.log
 echo "[ray_node $node] starting the Ray $role; log: $log"
-exec >>"$log" 2>&1
-echo "[ray_node $node] ray start ${args[*]}"
-mrl_exec ray start "${args[@]}" &  # $! is ray itself: the TERM trap below signals it
-ray_pid=$!
+exec 3>&2 >>"$log" 2>&1
 
 # SIGTERM/SIGINT from the batch script (through srun): stop Ray and report success. A
 # Ray node that exits on its own is a failure, reported with its exit code.
 stopping=0
-trap 'stopping=1; kill -TERM "$ray_pid" 2>/dev/null || true' TERM INT
-rc=0
-while :; do
-  wait "$ray_pid" && rc=0 || rc=$?
-  # `wait` also returns (with 128+signal) when a trapped signal arrives: only a gone
-  # process means Ray has stopped.
-  kill -0 "$ray_pid" 2>/dev/null || break
+ray_pid=
+trap 'stopping=1; if [ -n "$ray_pid" ]; then kill -TERM "$ray_pid" 2>/dev/null || true; fi' TERM INT
+
+# A node that exits before it comes up is started again, up to MEGATRON_RL_RAY_START_TRIES
+# times (3): Ray's raylet gives its dashboard agent a fixed 15 s to report its ports and
+# aborts otherwise, which a node whose cores are all busy can miss (`ray start` then fails
+# with "The current node timed out during startup"). The head's retry binds the same GCS
+# port and the workers start only once the head's node has registered
+# (ray_on_slurm.sh), so the retry is invisible to the rest of the job.
+tries=${MEGATRON_RL_RAY_START_TRIES:-3}
+for ((try = 1; ; try++)); do
+  try_args=("${args[@]}")
+  if [ -z "${MEGATRON_RL_RAY_NODE_PORT_BASE:-}" ]; then
+    try_args+=(--dashboard-agent-listen-port="$(free_port)")
+  fi
+  if [ "$stopping" = 1 ]; then break; fi
+  offset=$(stat -c %s "$log")
+  echo "[ray_node $node] ray start ${try_args[*]}"
+  mrl_exec ray start "${try_args[@]}" &  # $! is ray itself: the TERM trap signals it
+  ray_pid=$!
+  rc=0
+  while :; do
+    wait "$ray_pid" && rc=0 || rc=$?
+    # `wait` also returns (with 128+signal) when a trapped signal arrives: only a gone
+    # process means Ray has stopped.
+    kill -0 "$ray_pid" 2>/dev/null || break
+  done
+  if [ "$stopping" = 1 ] || [ "$try" -ge "$tries" ] || tail -c +$((offset + 1)) "$log" | grep -q "Ray runtime started"; then
+    break
+  fi
+  echo "[ray_node $node] warning: the Ray $role exited with code $rc before it came up (try $try of $tries); starting it again" | tee /dev/fd/3
 done
 rm -f "$tmp_dir/ray_current_cluster"
 if [ "$stopping" = 1 ]; then
   echo "[ray_node $node] stopped"
   exit 0
 fi
-echo "[ray_node $node] ray exited on its own with code $rc" >&2
+echo "[ray_node $node] ray exited on its own with code $rc" | tee /dev/fd/3
 exit "$rc"

@@ -95,20 +95,35 @@ _step_id() {  # NAME SRUN_PID: JOB.STEP of this job's step NAME, once Slurm list
 _step_running() { [ -n "${1:-}" ] && kill -0 "$1" 2>/dev/null && [ "$(awk '{print $3}' "/proc/$1/stat" 2>/dev/null)" != Z ]; }
 
 _ray_wait_for_head() {
-  # Start the workers only once the head's GCS answers: `ray start --address` does not
-  # wait long for a head that is still starting.
-  local deadline=$(( $(date +%s) + ${MEGATRON_RL_RAY_WAIT_S:-300} ))
-  until mrl_run ray health-check --address "$MRL_RAY_ADDRESS" >/dev/null 2>&1; do
-    if ! _step_running "$MRL_RAY_HEAD_PID"; then
-      mrl_log "error: the Ray head exited during startup; see $MRL_RAY_LOG_DIR/ray-$SLURM_JOB_ID-*.log" >&2
-      return 1
-    fi
-    if [ "$(date +%s)" -ge "$deadline" ]; then
-      mrl_log "error: the Ray head did not answer at $MRL_RAY_ADDRESS within ${MEGATRON_RL_RAY_WAIT_S:-300}s" >&2
-      return 1
-    fi
-    sleep 0.5
-  done
+  # Start the workers only once the head's node has registered with its GCS (not when the
+  # GCS first answers): a head whose node fails to come up is started again by
+  # ray_node.sh, with a new GCS on the same port, which workers that had already joined
+  # the first would not follow. One process polls twice a second; it stops early when the
+  # head's step has ended.
+  mrl_run python - "$MRL_RAY_ADDRESS" "${MEGATRON_RL_RAY_WAIT_S:-300}" "$MRL_RAY_HEAD_PID" <<'EOF' || return 1
+import sys, time
+
+from ray._raylet import GcsClient  # what `ray health-check` uses; the public API needs a node
+
+address, timeout_s, head_pid = sys.argv[1], float(sys.argv[2]), int(sys.argv[3])
+deadline = time.monotonic() + timeout_s
+client = None
+while time.monotonic() < deadline:
+    try:
+        with open(f"/proc/{head_pid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                raise OSError
+    except OSError:
+        sys.exit("error: the Ray head exited during startup; see the ray-*.log files of the job")
+    try:
+        client = client or GcsClient(address=address)
+        if any(node.state == 0 for node in client.get_all_node_info(timeout=2).values()):  # 0: ALIVE
+            sys.exit(0)
+    except Exception:  # the GCS is not up yet, or went with a failed start: ask a new one
+        client = None
+    time.sleep(0.5)
+sys.exit(f"error: the Ray head's node did not register at {address} within {timeout_s:.0f}s")
+EOF
   mrl_log "Ray head is up"
 }
 

@@ -22,6 +22,7 @@ import pytest
 from megatron_rl.storage.checkpoints import read_latest
 from tests.e2e.conftest import tiny_overrides
 from tests.helpers.runs import logged_steps
+from tests.helpers.slow_ray_head import slow_first_head_agent
 from tests.slurm.conftest import ROOT, SLURM_DIR
 
 EXAMPLE = ROOT / "examples" / "tiny_cpu.yaml"
@@ -114,7 +115,12 @@ def test_trainer_failure_fails_the_job(local_slurm, tmp_path, ray_env):
     # A missing data file: the trainer exits 2 after the Ray cluster is up. This job also
     # takes the fixed-port path (per-node offsets, as when fake nodes share a host), below
     # the kernel's ephemeral range (32768..) so no outgoing connection can hold one of them.
-    env = {**ray_env, "MEGATRON_RL_RAY_NODE_PORT_BASE": "21000", "MEGATRON_RL_RAY_PORT_STRIDE": "1000"}
+    # And its Ray head misses Ray's start-up deadline once (as on a busy machine): ray_node.sh
+    # starts it again on the same GCS port before any worker joins.
+    slow_env, marker = slow_first_head_agent(tmp_path)
+    env = {**ray_env, "MEGATRON_RL_RAY_NODE_PORT_BASE": "21000", "MEGATRON_RL_RAY_PORT_STRIDE": "1000",
+           "MRL_TEST_SLOW_AGENT_MARKER": slow_env["MRL_TEST_SLOW_AGENT_MARKER"],
+           "PYTHONPATH": os.pathsep.join(p for p in (slow_env["PYTHONPATH"], os.environ.get("PYTHONPATH")) if p)}  # fmt: skip
     missing = tmp_path / "no_such_train.jsonl"
     job = local_slurm.submit_and_wait(
         *sbatch_args(tmp_path, "train.sbatch"), str(EXAMPLE),
@@ -127,6 +133,9 @@ def test_trainer_failure_fails_the_job(local_slurm, tmp_path, ray_env):
     assert str(missing) in job.stdout
     assert "all 2 Ray nodes are alive" in job.stdout
     assert "Ray stopped" in job.stdout
+    assert marker.exists(), "the head's first dashboard agent was not slowed: the retry was not tested"
+    assert "warning: the Ray head exited with code 1 before it came up (try 1 of 3)" in job.stdout
+    assert "try 2 of 3" not in job.stdout
 
 
 def test_slurms_early_warning_stops_the_run_with_a_checkpoint(local_slurm, tmp_path, ray_env):
