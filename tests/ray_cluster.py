@@ -9,17 +9,22 @@ down at the end of the session.
 The trainer's tests (``e2e``) get Ray's default CPUs, the machine's cores, because the
 trainer sizes its torch threads by them; the pool and weight-sync tests get four logical
 CPUs, room for two engines beside the actor ranks.
+
+This module imports nothing that imports megatron-core: the tests of every tier use it, and
+the megatron-core matrix selects tests by what they import (``tests/import_graph.py``).
 """
 
 from __future__ import annotations
 
-__all__ = ["release_ray", "shared_ray", "warm_workers"]
+from collections.abc import Callable
+
+__all__ = ["has_fake_gpus", "on_release", "release_ray", "shared_ray"]
 
 _CURRENT: list[str] = []
 """The tier whose cluster is up (empty: none of ours)."""
 
-_WARM: list = []
-"""The ``loop.warm.WarmWorkers`` of the cluster that is up (empty: none made yet)."""
+_ON_RELEASE: list[Callable[[], None]] = []
+"""Closed before the cluster goes (:func:`on_release`)."""
 
 _NUM_CPUS = {"e2e": None}
 """Logical CPUs of each tier's cluster (``None``: Ray's default); other tiers: 4."""
@@ -33,7 +38,7 @@ def shared_ray(tier: str) -> None:
     """Make sure the shared cluster of ``tier`` is up (``ray.init`` in this process)."""
     import ray
 
-    from megatron_rl.loop.builder import start_local_ray
+    from megatron_rl.cluster.local_ray import start_local_ray
 
     if ray.is_initialized() and _CURRENT != [tier]:
         release_ray()
@@ -46,30 +51,22 @@ def shared_ray(tier: str) -> None:
         _CURRENT[:] = [tier]
 
 
-def warm_workers():
-    """The actor ranks and engines the in-process runs on the shared cluster hand on to
-    each other (``loop.warm.WarmWorkers``: a run rebuilds kept processes of its shape
-    instead of starting new ones, seconds of imports each); kept until the cluster is
-    released. ``None`` on a cluster with (fake) GPUs (a GPU run's processes live in its own
-    placement groups), or with ``MEGATRON_RL_TEST_COLD=1`` (every run starts its processes:
-    what the kept ones save is measured against that)."""
-    import os
+def on_release(close: Callable[[], None]) -> None:
+    """Call ``close`` before the shared cluster goes (what lives on it: kept processes)."""
+    _ON_RELEASE.append(close)
 
-    from megatron_rl.loop.warm import WarmWorkers
 
-    if any(_NUM_GPUS.get(tier) for tier in _CURRENT) or os.environ.get("MEGATRON_RL_TEST_COLD") == "1":
-        return None
-    if not _WARM:
-        _WARM.append(WarmWorkers())
-    return _WARM[0]
+def has_fake_gpus() -> bool:
+    """Whether the cluster that is up is a tier's with (fake) GPUs."""
+    return any(_NUM_GPUS.get(tier) for tier in _CURRENT)
 
 
 def release_ray() -> None:
     """Shut the shared cluster (or any cluster of this process) down."""
     import ray
 
-    if _WARM:
-        _WARM.pop().close()
+    while _ON_RELEASE:
+        _ON_RELEASE.pop()()
     if ray.is_initialized():
         ray.shutdown()
     _CURRENT.clear()

@@ -26,8 +26,6 @@ import json
 import logging
 import os
 import shutil
-import signal
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +37,7 @@ import torch
 from megatron_rl.actor.group import ActorGroup
 from megatron_rl.actor.spec import ActorSpec
 from megatron_rl.actor.worker import is_hf_directory
+from megatron_rl.cluster.local_ray import start_local_ray
 from megatron_rl.cluster.placement import (
     GroupPlacement,
     RunPlacement,
@@ -50,7 +49,6 @@ from megatron_rl.cluster.placement import (
     plan_gpu_placement,
     write_placement,
 )
-from megatron_rl.cluster.processes import descendants, process_start_time, signal_all
 from megatron_rl.config.lib import ConfigError, save_resolved, to_dict
 from megatron_rl.config.parallel import ParallelConfig
 from megatron_rl.config.rollout import RolloutConfig
@@ -69,7 +67,7 @@ from megatron_rl.rollout.pool.worker import engine_class
 from megatron_rl.tasks import Task
 from megatron_rl.weight_sync.sync import WeightSync, resolve_transport
 
-__all__ = ["RayClusterError", "Run", "actor_spec", "build_run", "close_all", "placements", "start_local_ray", "start_ray"]
+__all__ = ["RayClusterError", "Run", "actor_spec", "build_run", "close_all", "placements", "start_ray"]
 
 logger = logging.getLogger(__name__)
 
@@ -238,22 +236,11 @@ def build_run(config: RunConfig, *, checked: Preflight | None = None, warm: Warm
     return run
 
 
-RAY_START_TRIES = 3
-"""Tries to start a run's local Ray cluster. Ray's raylet gives its dashboard agent (a
-Python process) a fixed 15 s to report its ports and aborts the node when the agent is
-slower, which a machine with every core busy can make it; ``ray.init`` then raises "The
-current node timed out during startup" after its own fixed 30 s. The next try usually wins."""
-
-_RAY_START_RACE = "timed out during startup"
-"""What Ray's (plain ``Exception``) error says when the node did not come up."""
-
-
 def start_ray(run_dir: Path) -> None:
     """Ray for the run: the cluster ``RAY_ADDRESS`` names (Slurm's), else a local one of the
     run's own, never one named by a file another cluster left (``address="local"``; Ray's
     default reads ``/tmp/ray/ray_current_cluster``, stale or someone else's). A local
-    cluster that does not come up is started again (:data:`RAY_START_TRIES`), the failed
-    try's processes stopped first."""
+    cluster that does not come up is started again (``cluster.local_ray``)."""
     if ray.is_initialized():  # the caller's (tests, notebooks)
         return
     address = os.environ.get("RAY_ADDRESS") or "local"
@@ -261,29 +248,6 @@ def start_ray(run_dir: Path) -> None:
         start_local_ray(lambda: _init_ray(address, run_dir))
     else:
         _init_ray(address, run_dir)
-
-
-def start_local_ray(init: Callable[[], Any]) -> None:
-    """``init()`` (a ``ray.init`` that starts a cluster of this process's own), tried again
-    while the node does not come up (:data:`RAY_START_TRIES`), the failed try's processes
-    stopped first."""
-    for attempt in range(1, RAY_START_TRIES + 1):
-        before = descendants({os.getpid()})
-        try:
-            init()
-            return
-        except Exception as e:
-            if _RAY_START_RACE not in str(e) or attempt == RAY_START_TRIES:
-                raise
-            logger.warning("the local Ray cluster did not come up (try %d of %d: %s); stopping what it started and "
-                           "starting it again", attempt, RAY_START_TRIES, e)  # fmt: skip
-            # What the failed try started (GCS, agents, log monitor): this process's new descendants.
-            started = {pid: t for pid, t in descendants({os.getpid()}).items() if pid not in before}
-            signal_all(started, signal.SIGKILL)
-            deadline = time.monotonic() + 10
-            while time.monotonic() < deadline and any(process_start_time(p) == t for p, t in started.items()):
-                time.sleep(0.05)
-            ray.shutdown()  # whatever state the failed ray.init left in this process
 
 
 def _init_ray(address: str, run_dir: Path) -> None:

@@ -58,7 +58,7 @@ def train_in_process(config) -> list[dict]:
     step order."""
     from megatron_rl.loop.pipeline import make_trainer
     from megatron_rl.observability import read_metrics
-    from tests.ray_cluster import warm_workers
+    from tests.helpers.warm_workers import warm_workers
 
     trainer = make_trainer(config, warm=warm_workers())
     try:
@@ -97,7 +97,8 @@ def tiny_run(tmp_path_factory):
     from megatron_rl.config.lib import to_dict
     from megatron_rl.loop.pipeline import make_trainer
     from megatron_rl.observability import read_metrics
-    from tests.ray_cluster import shared_ray, warm_workers
+    from tests.helpers.warm_workers import warm_workers
+    from tests.ray_cluster import shared_ray
 
     root, cache = tmp_path_factory.mktemp("tiny_runs"), {}
 

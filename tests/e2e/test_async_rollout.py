@@ -18,7 +18,7 @@
 from megatron_rl.loop.pipeline import PipelinedTrainer
 from megatron_rl.observability import read_metrics
 from tests.e2e.conftest import ASYNC, ASYNC_STEPS, kill9_and_resume, tiny_config
-from tests.ray_cluster import warm_workers
+from tests.helpers.warm_workers import warm_workers
 
 STEPS = ASYNC_STEPS
 COMPARED = ("rollout/reward/mean", "loss/total", "actor/grad_norm", "rollout/logp_mismatch/max_abs")

@@ -25,7 +25,7 @@ from tests.e2e.conftest import (
     tiny_config,
     tiny_overrides,
 )
-from tests.ray_cluster import warm_workers
+from tests.helpers.warm_workers import warm_workers
 
 METHOD_KEYS = {
     "grpo": ["loss/ref_kl"],

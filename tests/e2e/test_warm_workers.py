@@ -1,7 +1,7 @@
 """Runs built on kept processes (``loop.warm.WarmWorkers``) are runs on new ones.
 
 The e2e tier's in-process runs hand their actor ranks and engines on to each other
-(``tests/ray_cluster.warm_workers``); this checks the premise: a run whose processes
+(``tests/helpers/warm_workers.py``); this checks the premise: a run whose processes
 served another run before (another seed, a reference policy, a checkpoint) logs what a
 run on new processes logs, and kept processes that died are replaced, not reused.
 """
