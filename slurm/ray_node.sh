@@ -73,7 +73,10 @@ if [ -n "${MEGATRON_RL_RAY_NODE_PORT_BASE:-}" ]; then
 fi
 
 if [ "$role" = head ]; then
-  args+=(--head --node-ip-address="$MRL_RAY_HEAD_IP" --port="$MRL_RAY_PORT")
+  # Cluster-wide settings (every node's raylet takes them from the head): no idle Python
+  # workers started ahead, which no actor of the run could use (cluster/local_ray.py).
+  system_config=$(mrl_run python -c 'import json; from megatron_rl.cluster.local_ray import LEAN_RAY_SYSTEM_CONFIG as c; print(json.dumps(c))')
+  args+=(--head --node-ip-address="$MRL_RAY_HEAD_IP" --port="$MRL_RAY_PORT" --system-config="$system_config")
   if [ -n "${MEGATRON_RL_RAY_DASHBOARD_PORT:-}" ]; then
     args+=(--include-dashboard=true --dashboard-host=0.0.0.0 --dashboard-port="$MEGATRON_RL_RAY_DASHBOARD_PORT")
   else

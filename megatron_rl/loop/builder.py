@@ -37,7 +37,7 @@ import torch
 from megatron_rl.actor.group import ActorGroup
 from megatron_rl.actor.spec import ActorSpec
 from megatron_rl.actor.worker import is_hf_directory
-from megatron_rl.cluster.local_ray import start_local_ray
+from megatron_rl.cluster.local_ray import LEAN_RAY_SYSTEM_CONFIG, start_local_ray
 from megatron_rl.cluster.placement import (
     GroupPlacement,
     RunPlacement,
@@ -195,10 +195,6 @@ def placements(parallel: ParallelConfig, rollout: RolloutConfig) -> tuple[GroupP
     return placed.actor, placed.engines, placed
 
 
-_LEAN_RAY = {"enable_worker_prestart": False, "prestart_worker_first_driver": False}
-"""Ray system settings of a cluster the driver starts itself (``ray.init`` without an address)."""
-
-
 def build_run(config: RunConfig, *, checked: Preflight | None = None, warm: WarmWorkers | None = None) -> Run:
     """Every component of the run, in the order the module docstring gives (``checked``: the
     pre-flight's result, when the caller ran it already; ``warm``: actor ranks and engines
@@ -255,10 +251,8 @@ def _init_ray(address: str, run_dir: Path) -> None:
         ray.init(
             address=address,
             include_dashboard=False,
-            # A cluster of our own starts no Python workers ahead (Ray starts num_cpus of them
-            # for tasks; every worker here is an actor with the job's runtime_env, which the
-            # prestarted ones lack, so they sat idle: ~45 MB each and their start-up CPU).
-            _system_config=_LEAN_RAY if address == "local" else None,
+            # A cluster of our own starts no idle Python workers ahead (cluster.local_ray).
+            _system_config=LEAN_RAY_SYSTEM_CONFIG if address == "local" else None,
             log_to_driver=True,
             configure_logging=False,
             # Every worker of the job logs to RUN_DIR/logs (observability.run_log).
