@@ -130,6 +130,11 @@ for ((try = 1; ; try++)); do
     break
   fi
   echo "[ray_node $node] warning: the Ray $role exited with code $rc before it came up (try $try of $tries); starting it again" | tee /dev/fd/3
+  # What the failed try started and left behind (its dashboard agent outlives the raylet,
+  # and with fixed ports it would hold the next try's) shares its process group: `ray
+  # start` makes itself a group leader, and its daemons and their children inherit it.
+  kill -KILL -- "-$ray_pid" 2>/dev/null || true
+  for _ in $(seq 100); do pgrep -g "$ray_pid" >/dev/null || break; sleep 0.1; done
 done
 rm -f "$tmp_dir/ray_current_cluster"
 if [ "$stopping" = 1 ]; then

@@ -5,7 +5,10 @@ when the agent is slower (``NodeManager::WaitForDashboardAgentPorts`` in raylet.
 "The current node timed out during startup"). :func:`slow_first_head_agent` writes a
 ``sitecustomize`` that, on the ``PYTHONPATH`` of the process starting Ray (inherited by
 Ray's daemons), makes the first dashboard agent of a head node (its command line carries
-``--head``) sleep 25 s before it starts; later agents start at their own speed.
+``--head``) sleep 40 s before it starts; later agents start at their own speed. The
+sleep outlasts the failed try (Ray gives up on the node after 30 s), so the slowed agent
+wakes while the next try starts: a retry that leaves it alive finds its ports taken when
+they are fixed (seen in CI, where load made the agent that slow).
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ if "--head" in sys.argv and any(a.replace(os.sep, "/").endswith("dashboard/agent
     except FileExistsError:
         pass  # a later agent starts at its own speed
     else:
-        time.sleep(25)
+        time.sleep(40)
 """
 
 
