@@ -117,7 +117,8 @@ for ((try = 1; ; try++)); do
   if [ "$stopping" = 1 ]; then break; fi
   offset=$(stat -c %s "$log")
   echo "[ray_node $node] ray start ${try_args[*]}"
-  mrl_exec ray start "${try_args[@]}" &  # $! is ray itself: the TERM trap signals it
+  # The try's mark, in the environment of every process it starts (see below).
+  MRL_RAY_TRY="$node-$try-$$" mrl_exec ray start "${try_args[@]}" &  # $! is ray itself: the TERM trap signals it
   ray_pid=$!
   rc=0
   while :; do
@@ -130,11 +131,17 @@ for ((try = 1; ; try++)); do
     break
   fi
   echo "[ray_node $node] warning: the Ray $role exited with code $rc before it came up (try $try of $tries); starting it again" | tee /dev/fd/3
-  # What the failed try started and left behind (its dashboard agent outlives the raylet,
-  # and with fixed ports it would hold the next try's) shares its process group: `ray
-  # start` makes itself a group leader, and its daemons and their children inherit it.
-  kill -KILL -- "-$ray_pid" 2>/dev/null || true
-  for _ in $(seq 100); do pgrep -g "$ray_pid" >/dev/null || break; sleep 0.1; done
+  # Kill what the failed try left: its dashboard agent outlives the raylet (orphaned, so
+  # no longer below this script) and, with fixed ports, would hold the next try's. Every
+  # process the try started carries its mark in its environment; nothing else does.
+  for _ in $(seq 50); do
+    left=$(grep -lzx "MRL_RAY_TRY=$node-$try-$$" /proc/[0-9]*/environ 2>/dev/null | cut -d/ -f3 || true)
+    if [ -z "$left" ]; then break; fi
+    echo "[ray_node $node] killing what try $try left:" $left
+    # shellcheck disable=SC2086  # one pid per word
+    kill -KILL $left 2>/dev/null || true
+    sleep 0.2
+  done
 done
 rm -f "$tmp_dir/ray_current_cluster"
 if [ "$stopping" = 1 ]; then

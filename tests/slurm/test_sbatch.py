@@ -137,6 +137,9 @@ def test_trainer_failure_fails_the_job(local_slurm, tmp_path, ray_env):
     assert "Ray stopped" in job.stdout
     assert marker.exists(), "the head's first dashboard agent was not slowed: the retry was not tested"
     assert "warning: the Ray head exited with code 1 before it came up (try 1 of 3)" in job.stdout
+    # the slowed agent, still asleep when its try failed, was killed before the next try
+    head_log = next(log for log in tmp_path.glob("ray-*.log") if " --head " in log.read_text())
+    assert "killing what try 1 left: " in head_log.read_text(), head_log.read_text()[-3000:]
 
 
 def test_slurms_early_warning_stops_the_run_with_a_checkpoint(local_slurm, tmp_path, ray_env):
