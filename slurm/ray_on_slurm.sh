@@ -105,15 +105,13 @@ import sys, time
 
 from ray._raylet import GcsClient  # what `ray health-check` uses; the public API needs a node
 
+from megatron_rl.cluster.processes import process_start_time  # None: gone or a zombie
+
 address, timeout_s, head_pid = sys.argv[1], float(sys.argv[2]), int(sys.argv[3])
 deadline = time.monotonic() + timeout_s
 client = None
 while time.monotonic() < deadline:
-    try:
-        with open(f"/proc/{head_pid}/stat") as f:
-            if f.read().rsplit(")", 1)[1].split()[0] == "Z":
-                raise OSError
-    except OSError:
+    if process_start_time(head_pid) is None:
         sys.exit("error: the Ray head exited during startup; see the ray-*.log files of the job")
     try:
         client = client or GcsClient(address=address)
@@ -138,17 +136,10 @@ import sys, time
 
 import ray
 
+from megatron_rl.cluster.processes import process_start_time  # None: gone or a zombie
+
 address, expected, timeout_s = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
 step_pids = [int(p) for p in sys.argv[4:] if p]
-
-
-def running(pid):
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
 
 ray.init(address=address, log_to_driver=False, configure_logging=False)
 deadline = time.monotonic() + timeout_s
@@ -156,7 +147,7 @@ while True:
     alive = [n for n in ray.nodes() if n["Alive"]]
     if len(alive) >= expected:
         break
-    dead = [p for p in step_pids if not running(p)]
+    dead = [p for p in step_pids if process_start_time(p) is None]
     if dead or time.monotonic() > deadline:
         why = f"a Ray step (srun pid {dead}) exited" if dead else f"waited {timeout_s:.0f}s"
         sys.exit(

@@ -2,7 +2,8 @@
 records for each process (``/proc/PID/stat``), compared with the one seen earlier; a
 process's descendants, each with its start time, and signalling them so that a reused pid
 is never hit. Used by the reaper (``cli/reaper.py``), the run directory's lock
-(``loop/run_lock.py``) and a failed local Ray start's clean-up (``loop/builder.py``).
+(``loop/run_lock.py``), a failed local Ray start's clean-up (``cluster/local_ray.py``) and
+the Slurm scripts' waits for Ray (``slurm/ray_on_slurm.sh``).
 
 Linux only (it reads ``/proc``).
 """
