@@ -12,6 +12,15 @@ is printed beside the sum, and the difference as ``unsampled``. ``--tree`` count
 command's own process tree (a process whose parent, when first seen, is in it), so a
 measurement is not mixed with whatever else the machine runs. Prints one JSON line per kind,
 largest first, and the total; ``--out`` keeps them. The command's exit status is returned.
+
+``--by-test FILE`` also charges each interval's CPU to the pytest test that caused it, and
+writes one JSON line per test to FILE (largest first): the command's pytest processes load
+``tools/cpu_test_plugin.py`` (through ``PYTEST_PLUGINS``), which keeps the test each xdist
+worker runs in a file; a process belongs to the worker named by ``PYTEST_XDIST_WORKER`` in
+its environment, which every process a worker starts inherits (its Ray cluster's daemons
+and actors, a CLI run's whole tree, torchrun's ranks). Its CPU over an interval goes to the
+test that worker runs at the interval's end; a matrix run's tests are told apart by a
+``matrix:`` prefix.
 """
 
 from __future__ import annotations
@@ -65,11 +74,27 @@ Proc = tuple[int, int]
 run (a CI) wraps them, and a reading keyed by pid alone would replace an exited process's."""
 
 
+def _xdist_worker(pid: int) -> str | None:
+    """The pytest worker a process was started under (its environment's ``PYTEST_XDIST_WORKER``)."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            for item in f.read().split(b"\0"):
+                if item.startswith(b"PYTEST_XDIST_WORKER="):
+                    return item.split(b"=", 1)[1].decode()
+    except OSError:
+        pass
+    return None
+
+
 def sample(
-    seen: dict[Proc, tuple[str, float]], latest: dict[int, Proc], parents: dict[Proc, Proc | None] | None = None
+    seen: dict[Proc, tuple[str, float]],
+    latest: dict[int, Proc],
+    parents: dict[Proc, Proc | None] | None = None,
+    workers: dict[Proc, str | None] | None = None,
 ) -> None:
     """Read every live process's kind and CPU seconds into ``seen``; ``latest`` maps each pid
-    to the process holding it now; ``parents`` (when given) gets each new process's parent."""
+    to the process holding it now; ``parents`` (when given) gets each new process's parent,
+    ``workers`` (when given) its pytest worker."""
     new: list[tuple[Proc, int]] = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -95,6 +120,8 @@ def sample(
             latest[pid] = proc
             if parents is not None and proc not in parents:
                 new.append((proc, ppid))
+            if workers is not None and proc not in workers:
+                workers[proc] = _xdist_worker(pid)
         except (FileNotFoundError, ProcessLookupError, ValueError, IndexError):
             continue
     for proc, ppid in new:  # after the pass: a parent listed after its child is known by now
@@ -115,11 +142,45 @@ def _tree(root: Proc | None, parents: dict[Proc, Proc | None]) -> set[Proc]:
     return tree
 
 
+def _current_tests(state_dir: str) -> tuple[dict[str, str], dict[int, str]]:
+    """What ``cpu_test_plugin`` wrote: the test each worker runs now, by worker and by the
+    worker process's pid."""
+    by_worker, by_pid = {}, {}
+    for name in os.listdir(state_dir):
+        try:
+            with open(os.path.join(state_dir, name)) as f:
+                pid, test = f.read().split("\n", 1)
+        except (OSError, ValueError):
+            continue
+        by_worker[name] = by_pid[int(pid)] = test or "(between tests)"
+    return by_worker, by_pid
+
+
+def _charge(
+    charged: dict[str, float],
+    seen: dict[Proc, tuple[str, float]],
+    last_cpu: dict[Proc, float],
+    workers: dict[Proc, str | None],
+    state_dir: str,
+) -> None:
+    """Add each process's CPU since the last call to the test its worker runs now."""
+    by_worker, by_pid = _current_tests(state_dir)
+    for proc, (_, cpu_s) in seen.items():
+        spent = cpu_s - last_cpu.get(proc, 0.0)  # a new process: all of its CPU so far
+        last_cpu[proc] = cpu_s
+        if spent <= 0:
+            continue
+        worker = workers.get(proc)
+        test = by_pid.get(proc[0]) or (by_worker.get(worker, f"(worker {worker}, no test)") if worker else "(no test)")
+        charged[test] = charged.get(test, 0.0) + spent
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--interval-s", type=float, default=1.0)
     parser.add_argument("--out", default=None)
     parser.add_argument("--tree", action="store_true", help="count only the command's process tree")
+    parser.add_argument("--by-test", default=None, metavar="FILE", help="CPU seconds per pytest test, to FILE")
     parser.add_argument("command", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
@@ -130,11 +191,22 @@ def main(argv: list[str] | None = None) -> int:
     parents: dict[Proc, Proc | None] = {}
     sample(seen, latest)
     before = dict(seen)  # what ran before the command: its CPU time so far is not the command's
+    env, workers, charged, last_cpu, state = os.environ, None, {}, {p: v[1] for p, v in seen.items()}, None
+    if args.by_test:
+        import tempfile
+
+        state = tempfile.mkdtemp(prefix="cpu_by_test_")
+        workers = {}
+        tools = os.path.dirname(os.path.abspath(__file__))
+        env = {**os.environ, "MRL_CPU_BY_TEST_DIR": state, "PYTEST_PLUGINS": "cpu_test_plugin",
+               "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), tools]))}  # fmt: skip
     start_cpu, start = machine_cpu_s(), time.monotonic()
-    proc = subprocess.Popen(command)
+    proc = subprocess.Popen(command, env=env)
     while proc.poll() is None:
         time.sleep(args.interval_s)
-        sample(seen, latest, parents)
+        sample(seen, latest, parents, workers)
+        if state:
+            _charge(charged, seen, last_cpu, workers, state)
     if args.tree:
         tree = _tree(latest.get(proc.pid), parents)
         seen = {p: v for p, v in seen.items() if p in tree}
@@ -156,6 +228,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         with open(args.out, "w") as f:
             f.write(text + "\n")
+    if args.by_test:
+        rows = sorted(charged.items(), key=lambda kv: -kv[1])
+        with open(args.by_test, "w") as f:
+            f.writelines(json.dumps({"test": t, "cpu_s": round(c, 1)}) + "\n" for t, c in rows if c >= 0.1)
     return proc.returncode
 
 
