@@ -15,11 +15,12 @@ largest first, and the total; ``--out`` keeps them. The command's exit status is
 
 ``--by-test FILE`` also charges each interval's CPU to the pytest test that caused it, and
 writes one JSON line per test to FILE (largest first): the command's pytest processes load
-``tools/cpu_test_plugin.py`` (through ``PYTEST_PLUGINS``), which keeps the test each xdist
-worker runs in a file; a process belongs to the worker named by ``PYTEST_XDIST_WORKER`` in
-its environment, which every process a worker starts inherits (its Ray cluster's daemons
-and actors, a CLI run's whole tree, torchrun's ranks). Its CPU over an interval goes to the
-test that worker runs at the interval's end; a matrix run's tests are told apart by a
+``tools/cpu_test_plugin.py`` (through ``PYTEST_PLUGINS``), which keeps the test each
+worker runs in a file and names the worker in the environment of every process a test
+starts (and so of their children: a Ray cluster's daemons and actors, a CLI run's whole
+tree, torchrun's ranks). A process's CPU over an interval goes to the test its worker runs
+at the interval's end, so a worker's long-lived processes (a shared Ray cluster, kept
+actors) are charged to the tests they serve; a megatron-core matrix run's tests carry a
 ``matrix:`` prefix.
 """
 
@@ -74,12 +75,13 @@ Proc = tuple[int, int]
 run (a CI) wraps them, and a reading keyed by pid alone would replace an exited process's."""
 
 
-def _xdist_worker(pid: int) -> str | None:
-    """The pytest worker a process was started under (its environment's ``PYTEST_XDIST_WORKER``)."""
+def _pytest_worker(pid: int) -> str | None:
+    """The pytest worker a process was started under (``MRL_CPU_BY_TEST_WORKER`` in its
+    environment, set by ``cpu_test_plugin``)."""
     try:
         with open(f"/proc/{pid}/environ", "rb") as f:
             for item in f.read().split(b"\0"):
-                if item.startswith(b"PYTEST_XDIST_WORKER="):
+                if item.startswith(b"MRL_CPU_BY_TEST_WORKER="):
                     return item.split(b"=", 1)[1].decode()
     except OSError:
         pass
@@ -121,7 +123,7 @@ def sample(
             if parents is not None and proc not in parents:
                 new.append((proc, ppid))
             if workers is not None and proc not in workers:
-                workers[proc] = _xdist_worker(pid)
+                workers[proc] = _pytest_worker(pid)
         except (FileNotFoundError, ProcessLookupError, ValueError, IndexError):
             continue
     for proc, ppid in new:  # after the pass: a parent listed after its child is known by now

@@ -1,8 +1,10 @@
 """pytest plugin of ``tools/cpu_by_process.py --by-test``: keeps the test this worker runs in
-``$MRL_CPU_BY_TEST_DIR/<worker>`` (its pid, a newline, the test's id; empty between tests).
+``$MRL_CPU_BY_TEST_DIR/<worker>`` (its pid, a newline, the test's id; empty between tests),
+and names the worker in ``MRL_CPU_BY_TEST_WORKER``, which every process a test starts
+inherits (xdist's worker id, ``main`` without xdist).
 
-Only the outermost pytest of a worker writes: a pytest that a test starts inherits the
-worker's ``PYTEST_XDIST_WORKER``, and its tests are part of that test.
+Only the outermost pytest of a worker writes: a pytest that a test starts inherits
+``MRL_CPU_BY_TEST_OWNER``, and its tests are part of that test.
 """
 
 from __future__ import annotations
@@ -13,11 +15,12 @@ import pytest
 
 _DIR = os.environ.get("MRL_CPU_BY_TEST_DIR")
 _OWNED = "MRL_CPU_BY_TEST_OWNER"
+WORKER = "MRL_CPU_BY_TEST_WORKER"
 _ACTIVE = bool(_DIR) and not os.environ.get(_OWNED)  # set once a test runs (not by xdist's controller)
 
 
 def _write(test: str) -> None:
-    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+    worker = os.environ[WORKER]
     prefix = "matrix:" if ".mcore-" in os.environ.get("PYTHONPATH", "") else ""
     path = os.path.join(_DIR, worker)
     with open(path + ".tmp", "w") as f:
@@ -29,6 +32,7 @@ def _write(test: str) -> None:
 def pytest_runtest_protocol(item, nextitem):
     if _ACTIVE:
         os.environ[_OWNED] = str(os.getpid())  # inherited: a pytest this test starts leaves the file alone
+        os.environ[WORKER] = os.environ.get("PYTEST_XDIST_WORKER", "main")
         _write(item.nodeid)
     yield
     if _ACTIVE:

@@ -89,3 +89,28 @@ def test_a_reused_pid_is_another_process():
     parents = {(1, 0): None, (10, 5): (1, 0), (10, 900): (2, 0), (11, 950): (10, 900), (12, 60): (10, 5)}
     assert _tree((1, 0), parents) == {(1, 0), (10, 5), (12, 60)}
     assert _tree(None, parents) == set()  # the command ended before the first reading
+
+
+def test_by_test_charges_a_tests_child_to_the_test(tmp_path):
+    """``--by-test``: the CPU of a process a test starts is that test's; a test that only
+    sleeps is charged (almost) nothing."""
+    tests = tmp_path / "test_probe.py"
+    tests.write_text(
+        "import subprocess, sys, time\n"
+        "BUSY = 'import time\\nt = time.process_time()\\nwhile time.process_time() - t < 1.5: pass'\n"
+        "def test_busy():\n    subprocess.run([sys.executable, '-c', BUSY], check=True)\n"
+        "def test_idle():\n    time.sleep(1.0)\n"
+    )  # fmt: skip
+    out, by_test = tmp_path / "cpu.json", tmp_path / "tests.json"
+    # An outer measurement's marks (this suite run under --by-test) must not reach the inner run.
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MRL_CPU_BY_TEST", "PYTEST_"))}
+    cmd = [sys.executable, str(ROOT / "tools" / "cpu_by_process.py"), "--interval-s", "0.2", "--out", str(out),
+           "--by-test", str(by_test), "--", sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+           "-p", "no:xdist", str(tests)]  # fmt: skip
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env)
+    assert run.returncode == 0, run.stdout + run.stderr
+    charged = {json.loads(line)["test"]: json.loads(line)["cpu_s"] for line in by_test.read_text().splitlines()}
+    busy = next((c for t, c in charged.items() if t.endswith("test_probe.py::test_busy")), None)
+    idle = next((c for t, c in charged.items() if t.endswith("test_probe.py::test_idle")), 0.0)
+    assert busy is not None and 1.2 <= busy <= 3.0, charged
+    assert idle <= 0.5, charged
