@@ -47,6 +47,7 @@ from megatron_rl.ops.vocab_parallel import (
     linear_chunk_rows,
     logit_grad_chunk,
     resolve_kernel,
+    row_dot,
     softmax_stats,
     tp_rank_and_size,
 )
@@ -489,7 +490,7 @@ def _grad_chunks(
         if invalid is not None:  # assignment, not multiplication: padding rows may hold NaN
             g.index_fill_(0, invalid, 0)  # only those rows (a boolean-mask assignment would sync on CUDA)
         if sq_norm is not None:
-            sq_norm[sl] = torch.linalg.vecdot(g, g)
+            sq_norm[sl] = row_dot(g, g)
         yield sl, g
     if sq_norm is not None:
         _finish_grad_norms(stats, sq_norm, options)

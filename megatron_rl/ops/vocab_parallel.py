@@ -128,6 +128,13 @@ def tp_rank_and_size(tp_group: dist.ProcessGroup | None) -> tuple[int, int]:
     return dist.get_rank(tp_group), dist.get_world_size(tp_group)
 
 
+def row_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``[n]`` row-wise dot products of two ``[n, V]`` tensors, as a batched matmul: no
+    ``[n, V]`` product is made (``torch.linalg.vecdot`` multiplies first, a temporary the
+    size of a chunk of logits on top of the workspace)."""
+    return torch.matmul(a.unsqueeze(-2), b.unsqueeze(-1)).view(a.shape[0])
+
+
 def chunk_rows(
     num_tokens: int, vocab_local: int, chunk_tokens: int | None, device: torch.device | str = "cpu",
     *, kernel: str = "torch",
@@ -327,7 +334,11 @@ def softmax_stats(
                 shifted = torch.sub(z, m[:, None], out=ws.b[: z.shape[0]])
                 e = torch.exp(shifted, out=ws.a[: z.shape[0]])  # z is dead now; reuse its buffer
                 local[sl, 1] = e.sum(dim=-1)
-                local[sl, 2] = torch.linalg.vecdot(e, shifted)
+                local[sl, 2] = row_dot(e, shifted)
+                # float32 logits at T = 1 are used in place (z is the chunk itself): drop it
+                # before the next chunk is made, or two chunks of logits are live at once
+                # beside the workspace (one chunk more than the memory plan counts).
+                del z
         local[:, 3] = torch.where(owned, local[:, 3], 0.0)
 
     _, size = tp_rank_and_size(tp_group)

@@ -1,7 +1,7 @@
 """The memory planner against measured peaks of real train steps on CPU.
 
-Each case builds an actor (fp32, local spec, Qwen2-shaped: hidden 1024, 4 layers, vocab
-32,000: about 110M parameters, so model state dominates the process's other memory),
+Each case builds an actor (fp32, local spec, Qwen2-shaped: hidden 512, 4 layers, vocab
+32,000: about 44M parameters, so model state dominates the process's other memory),
 runs one train step in a fresh process (``benchmarks/actor_memory.py --case``), and
 compares the peak resident memory of the rank that needs most (above what the process
 held once megatron's process groups existed) with the planner's training peak for the
@@ -20,7 +20,7 @@ as every later step's does (the first step allocates them only in its optimizer 
 where a plan's optimizer temporaries used to hide a forward-backward under-estimate).
 The process's own memory beyond the model's tensors (what megatron and torch allocate
 while the model is built: the RSS after the build minus the parameters and gradients,
-45-55 MiB here, host memory on a GPU machine) is taken off the measured peak, and
+27-34 MiB here, host memory on a GPU machine) is taken off the measured peak, and
 checked to be that small.
 """
 
@@ -35,7 +35,7 @@ from megatron_rl.cluster.planner import Architecture, plan_memory
 
 REPO = Path(__file__).resolve().parents[2]
 # One warm-up step (Adam's moments then exist), then the measured step.
-BASE = {"hidden": 1024, "ffn": 2816, "layers": 4, "heads": 16, "kv_heads": 4, "vocab": 32000, "seq_len": 256, "seqs": 4,
+BASE = {"hidden": 512, "ffn": 1408, "layers": 4, "heads": 8, "kv_heads": 2, "vocab": 32000, "seq_len": 256, "seqs": 4,
         "warmup_steps": 1}  # fmt: skip
 PROCESS_MEMORY_MAX_BYTES = 100 * 2**20
 CASES = {
