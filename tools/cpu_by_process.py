@@ -149,6 +149,8 @@ def _current_tests(state_dir: str) -> tuple[dict[str, str], dict[int, str]]:
     worker process's pid."""
     by_worker, by_pid = {}, {}
     for name in os.listdir(state_dir):
+        if name.endswith(".tmp"):  # the plugin's file being replaced: the finished one counts
+            continue
         try:
             with open(os.path.join(state_dir, name)) as f:
                 pid, test = f.read().split("\n", 1)
@@ -193,7 +195,11 @@ def main(argv: list[str] | None = None) -> int:
     parents: dict[Proc, Proc | None] = {}
     sample(seen, latest)
     before = dict(seen)  # what ran before the command: its CPU time so far is not the command's
-    env, workers, charged, last_cpu, state = os.environ, None, {}, {p: v[1] for p, v in seen.items()}, None
+    env = os.environ
+    state: str | None = None  # --by-test: the plugin's directory
+    workers: dict[Proc, str | None] | None = None  # --by-test: each process's pytest worker
+    charged: dict[str, float] = {}  # --by-test: CPU seconds by test
+    last_cpu = {p: v[1] for p, v in seen.items()}  # each process's CPU when last charged
     if args.by_test:
         import tempfile
 

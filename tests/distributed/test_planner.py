@@ -20,7 +20,7 @@ as every later step's does (the first step allocates them only in its optimizer 
 where a plan's optimizer temporaries used to hide a forward-backward under-estimate).
 The process's own memory beyond the model's tensors (what megatron and torch allocate
 while the model is built: the RSS after the build minus the parameters and gradients,
-27-34 MiB here, host memory on a GPU machine) is taken off the measured peak, and
+27-36 MiB here, host memory on a GPU machine) is taken off the measured peak, and
 checked to be that small.
 """
 
