@@ -73,6 +73,13 @@ def main(argv: list[str]) -> int:
         os.environ.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default, read when torch loads
     for name in PRELOAD:
         importlib.import_module(name)
+    if "OMP_NUM_THREADS" in os.environ:
+        # A libgomp preloaded into this process (LD_PRELOAD, as vLLM's CPU set-up writes it)
+        # read the variable when the process started, before the line above set it, and would
+        # run a thread per core in every rank. Setting no pool up, this is safe before a fork.
+        import torch
+
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
     ranks: set[int] = set()  # the pids of the ranks still running
     ports = []

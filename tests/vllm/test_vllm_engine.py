@@ -7,6 +7,8 @@ checkpoint ``a`` that every test shares, and a fresh one from checkpoint ``b`` t
 in-place update to ``b`` must reproduce token for token.
 """
 
+import os
+
 import psutil
 import pytest
 import torch
@@ -39,7 +41,17 @@ def ckpts(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def engine(ckpts):
+def environment_before_the_engine(ckpts) -> dict[str, str]:
+    """This process's environment once vLLM is imported (its import sets a few variables of
+    its own, once per process) and before the shared engine starts."""
+    from vllm.platforms import current_platform
+
+    assert current_platform.device_name
+    return dict(os.environ)
+
+
+@pytest.fixture(scope="module")
+def engine(ckpts, environment_before_the_engine):
     from megatron_rl.rollout.engines.vllm import VLLMEngine
 
     eng = VLLMEngine(ckpts[0], name="vllm-a", **ENGINE_ARGS)
@@ -147,10 +159,16 @@ def test_shutdown_leaves_no_vllm_process(fresh_b):
     assert not alive
 
 
-def test_an_engine_leaves_the_process_environment_as_it_found_it(engine):
-    """The CPU thread binding is sized for one engine's workers: left in the process, a
-    later engine of another tensor-parallel size (or a Ray cluster started from this
-    process) would inherit a binding with the wrong number of workers."""
-    import os
-
-    assert "VLLM_CPU_OMP_THREADS_BIND" not in os.environ
+def test_an_engine_leaves_the_process_environment_as_it_found_it(engine, environment_before_the_engine):
+    """vLLM's CPU set-up writes its workers' settings into this process's environment (the
+    thread binding, ``LD_PRELOAD`` of torch's libgomp, ``LOCAL_WORLD_SIZE``, ...): left here,
+    every process started from here later would inherit them (measured: the 4-rank job of
+    tests/distributed/test_actor_scale.py, forked from a launcher that sets
+    ``OMP_NUM_THREADS=1`` in Python, took 140 CPU-s instead of 48 with that ``LD_PRELOAD``).
+    The engine sets one variable on purpose: its engine core runs in this process."""
+    before, now = environment_before_the_engine, dict(os.environ)
+    changed = {name: (before.get(name), now.get(name)) for name in before.keys() | now.keys()
+               if before.get(name) != now.get(name)}  # fmt: skip
+    for name in ("VLLM_ENABLE_V1_MULTIPROCESSING", "PYTEST_CURRENT_TEST"):
+        changed.pop(name, None)
+    assert not changed, sorted(changed)

@@ -102,16 +102,25 @@ CPU_MOE_REPACK_VLLM = "0.32."
 
 @contextmanager
 def _environment(variables: dict[str, str]) -> Iterator[None]:
-    """Set ``variables`` in this process's environment for the block, then restore them."""
-    saved = {name: os.environ.get(name) for name in variables}
+    """Set ``variables`` in this process's environment for the block, then put the whole
+    environment back as it was before the block, whatever the block changed.
+
+    vLLM's platform set-up writes its workers' settings into the environment of the process
+    that creates the engine (on CPU: ``LD_PRELOAD`` of torch's libgomp, ``LOCAL_WORLD_SIZE``,
+    ``NUMEXPR_MAX_THREADS``, ...). Left there, every process started from this one later
+    inherits them: libgomp preloaded reads ``OMP_NUM_THREADS`` when the process starts, before
+    a launcher that sets it in Python can, so such a process runs an OpenMP thread per core.
+    The engine's own processes are started inside the block, with vLLM's settings.
+    """
+    saved = dict(os.environ)
     os.environ.update(variables)
     try:
         yield
     finally:
+        for name in set(os.environ) - set(saved):
+            del os.environ[name]
         for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
+            if os.environ.get(name) != value:
                 os.environ[name] = value
 
 
