@@ -91,10 +91,27 @@ if not mcore_compat.is_supported():
     sys.exit(f"ci_mcore_matrix: megatron-core {got} is outside megatron_rl's range {mcore_compat.SUPPORTED}")
 EOF
 
+# Only the files that hold such tests are collected: collecting every test module would
+# import the others' dependencies too (vLLM's at the vLLM tests' module level), in each
+# pytest worker, for tests the marker then drops.
+mapfile -t files < <("$py" -c '
+from pathlib import Path
+from tests.import_graph import exercises_megatron
+for tier in ("unit", "distributed"):
+    for path in sorted(Path("tests", tier).glob("test_*.py")):
+        if exercises_megatron(path.resolve()):
+            print(path)
+')
+if (( ${#files[@]} == 0 )); then
+    echo "ci_mcore_matrix: found no test file that runs megatron-core code (tests/import_graph.py)" >&2
+    exit 1
+fi
+echo "== megatron-core $version: ${#files[@]} test files run megatron-core code"
+
 status=0
 # The GPU suite's tiny run with megatron-core 0.19.2 is tests/install/test_gpu_wheelhouse.py's
 # (the wheelhouse's 0.19.2, under the GPU image's imports): not run a third time here.
-"$py" -m pytest -n 2 -m "mcore and (unit or distributed)" -p no:cacheprovider \
+"$py" -m pytest -n 2 -m "mcore and (unit or distributed)" -p no:cacheprovider "${files[@]}" \
     --deselect tests/unit/test_gpu_suite.py::test_every_case_reports_finite_numbers \
     --deselect tests/unit/test_gpu_suite.py::test_float32_actor_logprobs_match_a_float64_reference \
     --deselect tests/unit/test_gpu_suite.py::test_markdown_table_has_a_section_per_case \
