@@ -75,13 +75,20 @@ Proc = tuple[int, int]
 run (a CI) wraps them, and a reading keyed by pid alone would replace an exited process's."""
 
 
+STATE_DIR_ENV = "MRL_CPU_BY_TEST_DIR"
+"""``--by-test``: the directory where ``cpu_test_plugin`` keeps each worker's current test."""
+WORKER_ENV = "MRL_CPU_BY_TEST_WORKER"
+"""``--by-test``: the pytest worker a process was started under (set by ``cpu_test_plugin``
+once a test runs, inherited by every process the test starts)."""
+
+
 def _pytest_worker(pid: int) -> str | None:
-    """The pytest worker a process was started under (``MRL_CPU_BY_TEST_WORKER`` in its
-    environment, set by ``cpu_test_plugin``)."""
+    """The pytest worker a process was started under (:data:`WORKER_ENV` in its environment)."""
+    prefix = WORKER_ENV.encode() + b"="
     try:
         with open(f"/proc/{pid}/environ", "rb") as f:
             for item in f.read().split(b"\0"):
-                if item.startswith(b"MRL_CPU_BY_TEST_WORKER="):
+                if item.startswith(prefix):
                     return item.split(b"=", 1)[1].decode()
     except OSError:
         pass
@@ -206,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
         state = tempfile.mkdtemp(prefix="cpu_by_test_")
         workers = {}
         tools = os.path.dirname(os.path.abspath(__file__))
-        env = {**os.environ, "MRL_CPU_BY_TEST_DIR": state, "PYTEST_PLUGINS": "cpu_test_plugin",
+        env = {**os.environ, STATE_DIR_ENV: state, "PYTEST_PLUGINS": "cpu_test_plugin",
                "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), tools]))}  # fmt: skip
     start_cpu, start = machine_cpu_s(), time.monotonic()
     proc = subprocess.Popen(command, env=env)

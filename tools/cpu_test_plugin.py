@@ -12,15 +12,15 @@ from __future__ import annotations
 import os
 
 import pytest
+from cpu_by_process import STATE_DIR_ENV, WORKER_ENV  # tools/ is on the path that loads this plugin
 
-_DIR = os.environ.get("MRL_CPU_BY_TEST_DIR")
+_DIR = os.environ.get(STATE_DIR_ENV)
 _OWNED = "MRL_CPU_BY_TEST_OWNER"
-WORKER = "MRL_CPU_BY_TEST_WORKER"
 _ACTIVE = bool(_DIR) and not os.environ.get(_OWNED)  # set once a test runs (not by xdist's controller)
 
 
 def _write(test: str) -> None:
-    worker = os.environ[WORKER]
+    worker = os.environ[WORKER_ENV]
     prefix = "matrix:" if ".mcore-" in os.environ.get("PYTHONPATH", "") else ""
     path = os.path.join(_DIR, worker)
     with open(path + ".tmp", "w") as f:
@@ -32,7 +32,7 @@ def _write(test: str) -> None:
 def pytest_runtest_protocol(item, nextitem):
     if _ACTIVE:
         os.environ[_OWNED] = str(os.getpid())  # inherited: a pytest this test starts leaves the file alone
-        os.environ[WORKER] = os.environ.get("PYTEST_XDIST_WORKER", "main")
+        os.environ[WORKER_ENV] = os.environ.get("PYTEST_XDIST_WORKER", "main")
         _write(item.nodeid)
     yield
     if _ACTIVE:
