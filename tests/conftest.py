@@ -109,11 +109,9 @@ _SHARED_SCOPES = {
 }
 """Modules that share a session fixture, by the work unit they go to together."""
 
-_TIER_ORDER = ("slurm", "e2e", "vllm", "distributed", "install", "unit", "gpu")
-"""Order the work units are handed out in: the long Slurm, e2e and vLLM modules first, the
-many short unit modules last, so neither worker is left with a long module at the end. The
-Slurm unit goes first: about half of its time is waiting (Ray nodes starting, jobs queued),
-which the other worker's e2e runs, busy on both cores, fill."""
+_TIER_ORDER = ("e2e", "vllm", "slurm", "distributed", "install", "unit", "gpu")
+"""Order the work units are handed out in: the long e2e and vLLM modules first, the many
+short unit modules last, so neither worker is left with a long module at the end."""
 
 
 @pytest.hookimpl(optionalhook=True)  # a run without xdist (-p no:xdist) has no such hook
