@@ -167,10 +167,13 @@ def kill9_and_resume(
     process (``tmp_path/b``); SIGKILL its process group once checkpoint
     ``step_<checkpointed>`` exists and step ``logged`` is in ``metrics.jsonl``, rerun it
     there to the end (it resumes), and compare with the same settings run uninterrupted
-    (``tmp_path/a``). The uninterrupted run is trained in this process on the e2e tier's
-    cluster (:func:`train_in_process`; an SFT run with its own actor ranks): the same
-    settings in other processes give the same numbers, and it saves a second CLI run's
-    Ray cluster, driver and process start-up."""
+    (``tmp_path/a``). Only the killed run is a CLI process. The uninterrupted run and the
+    rerun are trained in this process on the e2e tier's cluster (:func:`train_in_process`;
+    an SFT run with its own actor ranks), one after the other: resuming is the trainer's
+    (``build_run`` takes the run directory's lock and reads its checkpoints), and the rerun's
+    actor ranks and engine are the uninterrupted run's, kept (``tests/helpers/warm_workers``),
+    so a state the resume failed to restore shows as that run's numbers. A rerun through the
+    CLI after a kill -9 is tests/e2e/test_reliability.py's and tests/vllm/test_vllm_trainer.py's."""
     import time
 
     from megatron_rl.observability import read_metrics
@@ -197,27 +200,30 @@ def kill9_and_resume(
         kill_group(victim)
 
     shared_ray("e2e")
-    if command == "sft":
-        from megatron_rl.loop.sft import SFTTrainer
-
-        trainer = SFTTrainer(ref_config)
-        try:
-            trainer.run()
-        finally:
-            trainer.close()
-        uninterrupted = read_metrics(ref_config.run_dir)
-    else:
-        uninterrupted = train_in_process(ref_config)
-
-    resumed = train_cli(tmp_path / "b", *args, example=example, command=command)
-    out, _ = resumed.communicate(timeout=600)
-    assert resumed.returncode == 0, out
+    uninterrupted = _train_here(ref_config, command)
+    resumed = _train_here(tiny_config(tmp_path / "b", *args, example=example, command=command), command)
     return KilledAndResumed(
         uninterrupted={r["step"]: r for r in uninterrupted},
-        resumed={r["step"]: r for r in read_metrics(run_dir)},
+        resumed={r["step"]: r for r in resumed},
         run_dir=run_dir,
         latest_after_kill=latest,
     )
+
+
+def _train_here(config, command: str) -> list[dict]:
+    """``config`` trained to its end in this process (``command``: ``train`` or ``sft``);
+    its logged metrics, in step order."""
+    if command != "sft":
+        return train_in_process(config)
+    from megatron_rl.loop.sft import SFTTrainer
+    from megatron_rl.observability import read_metrics
+
+    trainer = SFTTrainer(config)
+    try:
+        trainer.run()
+    finally:
+        trainer.close()
+    return read_metrics(config.run_dir)
 
 
 def assert_adapters_only(checkpoint: Path, base: Path) -> None:
