@@ -213,17 +213,25 @@ def run_case(case: dict) -> dict:
     return report
 
 
-def launch(case: dict, *, timeout_s: float = 1800) -> dict:
-    """Run ``case`` in a fresh process (torchrun for several ranks); rank 0's report."""
-    return launch_case(Path(__file__), case, world=case["tp"] * case["pp"], benchmark="actor_memory", timeout_s=timeout_s)
+def launch(case: dict, *, timeout_s: float = 1800, ranks_launcher: list[str] | None = None) -> dict:
+    """Run ``case`` in a fresh process (several ranks: see :func:`launch_case`); rank 0's report."""
+    return launch_case(Path(__file__), case, world=case["tp"] * case["pp"], benchmark="actor_memory",
+                       timeout_s=timeout_s, ranks_launcher=ranks_launcher)  # fmt: skip
 
 
-def launch_case(script: Path, case: dict, *, world: int, benchmark: str, timeout_s: float, env=None) -> dict:
-    """Run ``script --case JSON`` in fresh processes (torchrun when ``world`` > 1) and return
-    the last JSON line rank 0 printed for ``benchmark``."""
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node"]
+"""The default command that starts ``world`` ranks of a script (followed by ``world``)."""
+
+
+def launch_case(script: Path, case: dict, *, world: int, benchmark: str, timeout_s: float, env=None,
+                ranks_launcher: list[str] | None = None) -> dict:  # fmt: skip
+    """Run ``script --case JSON`` in fresh processes and return the last JSON line rank 0
+    printed for ``benchmark``. Several ranks (``world`` > 1) are started by
+    ``ranks_launcher + [world]`` (default :data:`TORCHRUN`; any command that gives each rank
+    torchrun's environment, such as the tests' launcher that forks them after shared imports)."""
     args = [str(Path(script).resolve()), "--case", json.dumps(case)]
     if world > 1:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world), *args]
+        cmd = [*(ranks_launcher or TORCHRUN), str(world), *args]
     else:
         cmd = [sys.executable, *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)

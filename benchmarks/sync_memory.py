@@ -134,11 +134,12 @@ def run_case(case: dict) -> dict | None:
     }
 
 
-def launch(case: dict, *, timeout_s: float = 900) -> dict:
-    """Run ``case`` in fresh processes under torchrun; rank 0's report."""
+def launch(case: dict, *, timeout_s: float = 900, ranks_launcher: list[str] | None = None) -> dict:
+    """Run ``case`` in fresh processes (torchrun unless ``ranks_launcher``: see
+    ``actor_memory.launch_case``); rank 0's report."""
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(128 * 1024)}
     return launch_case(Path(__file__), case, world=case["tp"] * case["pp"], benchmark="sync_memory",
-                       timeout_s=timeout_s, env=env)  # fmt: skip
+                       timeout_s=timeout_s, env=env, ranks_launcher=ranks_launcher)  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:

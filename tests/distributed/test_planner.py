@@ -27,6 +27,7 @@ checked to be that small.
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
@@ -38,6 +39,10 @@ REPO = Path(__file__).resolve().parents[2]
 BASE = {"hidden": 512, "ffn": 1408, "layers": 4, "heads": 8, "kv_heads": 2, "vocab": 32000, "seq_len": 256, "seqs": 4,
         "warmup_steps": 1}  # fmt: skip
 PROCESS_MEMORY_MAX_BYTES = 100 * 2**20
+FORKED_RANKS = [sys.executable, str(REPO / "tests" / "helpers" / "fork_ranks.py")]
+"""The several-rank cases' launcher: ranks forked after the imports they share, each with
+torchrun's environment (a rank's RSS counts the inherited modules as a torchrun rank's
+counts its own; the baseline taken after the build removes them either way)."""
 CASES = {
     "tp1_fused_linear": {"loss_impl": "fused_linear"},
     "tp1_logits": {"loss_impl": "logits"},
@@ -62,7 +67,7 @@ def test_planner_covers_the_measured_peak_and_exceeds_it_by_at_most_25_percent(n
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(128 * 1024))  # inherited by the case's process
     bench = _bench()
     case = {**bench.DEFAULT_CASE, **BASE, **CASES[name]}
-    report = bench.launch(case)
+    report = bench.launch(case, ranks_launcher=FORKED_RANKS)
     spec = bench.spec_of(case, case["tp"] * case["pp"])
     plan = plan_memory(
         Architecture.from_hf_config(bench.hf_config(case)), parallel=spec.parallel, model=spec.model,
@@ -87,7 +92,7 @@ def test_planner_covers_the_measured_weight_sync_peak_of_the_sending_rank():
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     case = dict(bench.DEFAULT_CASE)
-    report = bench.launch(case)
+    report = bench.launch(case, ranks_launcher=FORKED_RANKS)
     from megatron_rl.cluster.planner import sync_transient_bytes
     from megatron_rl.config.model import ModelOptions
     from megatron_rl.config.parallel import ParallelConfig
