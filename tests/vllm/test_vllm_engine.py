@@ -95,6 +95,22 @@ def test_logprobs_match_a_float32_transformers_forward(engine):
     assert all(c.weight_version == 0 and c.engine == "vllm-a" for g in results for c in g)
 
 
+def test_cpu_workers_run_unpinned(engine):
+    """On CPU, vLLM's worker may run on every core this process may: vLLM's ``auto`` binding
+    pinned it to core 0 of 2 (the other kept for its scheduler), so the engines of both
+    pytest workers ran on one core while the other idled. (Its thread count, the engine's
+    share, is ``cpu_worker_env``'s: tests/unit/test_vllm_cpu_worker_env.py. The worker's
+    environment cannot be read back: its process title overwrites it.)"""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        pytest.skip("CPU workers only: a GPU engine's workers are placed by their devices")
+    engine.generate(PROMPTS, PARAMS)  # the worker's OpenMP threads exist
+    workers = [psutil.Process(pid) for pid in engine.child_pids() if "VLLM" in " ".join(psutil.Process(pid).cmdline())]
+    assert len(workers) == 1, [w.cmdline() for w in workers]
+    assert sorted(workers[0].cpu_affinity()) == sorted(os.sched_getaffinity(0))
+
+
 def test_seeds_reproduce_and_stop_ids_stop(engine):
     first = engine.generate(PROMPTS, PARAMS)
     assert _ids(engine.generate(PROMPTS, PARAMS)) == _ids(first)

@@ -21,8 +21,7 @@ differs by platform is chosen here, once:
   explicitly: inside a Ray placement group vLLM would otherwise pick its Ray executor,
   whose workers ask for GPU bundles the actor ranks already hold). On GPUs the actor sees
   all of the engine's GPUs (``CUDA_VISIBLE_DEVICES``, set by the pool's worker); on CPU
-  each worker is bound to its share of the actor's cores (:func:`cpu_binding`), since
-  vLLM's automatic binding needs one NUMA node per worker.
+  each worker runs its share of the engine's threads, unpinned (:func:`cpu_worker_env`).
 - **Log-probs**: ``processed_logprobs`` are ``log_softmax`` of the logits after
   temperature (and after top-k/top-p), so with ``top_p = 1, top_k = -1`` (the RL
   default) the reported log-prob is exactly the contract's ``log_softmax(logits / T)``
@@ -70,7 +69,7 @@ from megatron_rl.weight_sync.adapters import AdapterUpdate
 from megatron_rl.weight_sync.meta import TensorMeta
 from megatron_rl.weight_sync.receiver import checkpoint_tensors, has_weights
 
-__all__ = ["VLLMEngine", "cpu_binding"]
+__all__ = ["VLLMEngine", "cpu_worker_env"]
 
 logger = logging.getLogger(__name__)
 
@@ -81,19 +80,18 @@ _BACKENDS = {"gloo": GLOO, "nccl": "nccl", "ipc": "ipc", "object_store": GLOO}
 """Project transfer backend -> vLLM weight-transfer backend (host tensors use gloo)."""
 
 
-def cpu_binding(cores: Sequence[int], *, workers: int, cores_per_engine: int) -> str:
-    """``VLLM_CPU_OMP_THREADS_BIND`` for an engine of ``workers`` CPU workers: worker ``w``
-    takes the next ``max(1, cores_per_engine // workers)`` of ``cores`` (wrapping round
-    when the engine has fewer cores than workers), e.g. ``"0|1"`` for two workers on
-    two cores. ``cores_per_engine`` is the engine's Ray CPU share."""
-    if not cores:
-        raise ValueError("cpu_binding: no cores")
-    per_worker = max(1, cores_per_engine // workers)
-    groups = []
-    for w in range(workers):
-        ids = [cores[(w * per_worker + j) % len(cores)] for j in range(per_worker)]
-        groups.append(",".join(str(c) for c in ids))
-    return "|".join(groups)
+def cpu_worker_env(*, workers: int, cores_per_engine: int) -> dict[str, str]:
+    """The environment vLLM's CPU workers start with, unless ``VLLM_CPU_OMP_THREADS_BIND``
+    names a binding: no pinning (``nobind``) and ``max(1, cores_per_engine // workers)``
+    OpenMP threads each, ``cores_per_engine`` being the engine's thread count (its
+    ``parallel.cpu_threads`` share).
+
+    vLLM's ``auto`` binding pins each worker to the cores of one NUMA node less one it keeps
+    for its scheduler, counted from the node's first core: it ignores the engine's share,
+    needs a node per worker, and puts every engine of a node (and of every run on it) on
+    the same cores, beside the actor ranks, while other cores idle. Unpinned threads of the
+    engine's share leave the placement to the OS, as the actor ranks' are."""
+    return {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": str(max(1, cores_per_engine // workers))}
 
 
 CPU_MOE_REPACK_VLLM = "0.32."
@@ -260,13 +258,10 @@ class VLLMEngine(RolloutEngine):
                     "child processes ('mp'), on the GPUs its Ray actor was given or on CPU"
                 )
         spawn_env: dict[str, str] = {}
-        if workers > 1 and current_platform.is_cpu() and os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto") == "auto":
-            # vLLM's automatic binding wants one NUMA node per worker; bind each worker to its
-            # share of this process's cores instead. Set only while vLLM spawns its workers (they
-            # inherit it): left in this process, a later engine of another size would read it.
-            spawn_env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_binding(
-                sorted(os.sched_getaffinity(0)), workers=workers, cores_per_engine=torch.get_num_threads()
-            )
+        if current_platform.is_cpu() and os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto") == "auto":
+            # Set only while vLLM spawns its workers (they inherit it): left in this process, a
+            # later engine of another size would read it.
+            spawn_env = cpu_worker_env(workers=workers, cores_per_engine=torch.get_num_threads())
         args = {**defaults, **engine_args, "logprobs_mode": "processed_logprobs"}
         args.setdefault("weight_transfer_config", {"backend": GLOO})
         self.name = name
