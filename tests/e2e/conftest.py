@@ -68,6 +68,20 @@ def train_in_process(config) -> list[dict]:
     return read_metrics(config.run_dir)
 
 
+def train_sft_in_process(config) -> list[dict]:
+    """The SFT run ``config`` trained in this process (its own actor ranks, on the caller's
+    Ray cluster); its logged metrics, in step order."""
+    from megatron_rl.loop.sft import SFTTrainer
+    from megatron_rl.observability import read_metrics
+
+    trainer = SFTTrainer(config)
+    try:
+        trainer.run()
+    finally:
+        trainer.close()
+    return read_metrics(config.run_dir)
+
+
 @dataclass
 class TinyRun:
     """What :func:`tiny_run` keeps of a finished in-process run."""
@@ -168,8 +182,8 @@ def kill9_and_resume(
     ``step_<checkpointed>`` exists and step ``logged`` is in ``metrics.jsonl``, rerun it
     there to the end (it resumes), and compare with the same settings run uninterrupted
     (``tmp_path/a``). Only the killed run is a CLI process. The uninterrupted run and the
-    rerun are trained in this process on the e2e tier's cluster (:func:`train_in_process`;
-    an SFT run with its own actor ranks), one after the other: resuming is the trainer's
+    rerun are trained in this process on the e2e tier's cluster (:func:`train_in_process`,
+    :func:`train_sft_in_process`), one after the other: resuming is the trainer's
     (``build_run`` takes the run directory's lock and reads its checkpoints), and the rerun's
     actor ranks and engine are the uninterrupted run's, kept (``tests/helpers/warm_workers``),
     so a state the resume failed to restore shows as that run's numbers. A rerun through the
@@ -183,7 +197,8 @@ def kill9_and_resume(
     tmp_path.mkdir(parents=True, exist_ok=True)
     victim = train_cli(tmp_path / "b", *args, log=tmp_path / "b.log", example=example, command=command)
     ref_config = tiny_config(tmp_path / "a", *args, example=example, command=command)
-    run_dir = tiny_config(tmp_path / "b", *args, example=example, command=command).run_dir
+    rerun_config = tiny_config(tmp_path / "b", *args, example=example, command=command)
+    run_dir = rerun_config.run_dir
     try:
         deadline = time.time() + 600
         while time.time() < deadline:
@@ -200,30 +215,14 @@ def kill9_and_resume(
         kill_group(victim)
 
     shared_ray("e2e")
-    uninterrupted = _train_here(ref_config, command)
-    resumed = _train_here(tiny_config(tmp_path / "b", *args, example=example, command=command), command)
+    train = train_sft_in_process if command == "sft" else train_in_process
+    uninterrupted, resumed = train(ref_config), train(rerun_config)
     return KilledAndResumed(
         uninterrupted={r["step"]: r for r in uninterrupted},
         resumed={r["step"]: r for r in resumed},
         run_dir=run_dir,
         latest_after_kill=latest,
     )
-
-
-def _train_here(config, command: str) -> list[dict]:
-    """``config`` trained to its end in this process (``command``: ``train`` or ``sft``);
-    its logged metrics, in step order."""
-    if command != "sft":
-        return train_in_process(config)
-    from megatron_rl.loop.sft import SFTTrainer
-    from megatron_rl.observability import read_metrics
-
-    trainer = SFTTrainer(config)
-    try:
-        trainer.run()
-    finally:
-        trainer.close()
-    return read_metrics(config.run_dir)
 
 
 def assert_adapters_only(checkpoint: Path, base: Path) -> None:

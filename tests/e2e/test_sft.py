@@ -11,7 +11,7 @@ import math
 
 import pytest
 
-from tests.e2e.conftest import SFT_EXAMPLE, kill9_and_resume, tiny_config
+from tests.e2e.conftest import SFT_EXAMPLE, kill9_and_resume, tiny_config, train_sft_in_process
 
 SFT_STEPS = ("trainer.num_steps=60", "trainer.save_every_steps=60", "trainer.eval_every_steps=20")
 
@@ -19,16 +19,8 @@ SFT_STEPS = ("trainer.num_steps=60", "trainer.save_every_steps=60", "trainer.eva
 @pytest.fixture(scope="module")
 def sft_run(tmp_path_factory, ray_session):
     """The example's 60 steps, in this process (the e2e tier's Ray cluster)."""
-    from megatron_rl.loop.sft import SFTTrainer
-    from megatron_rl.observability import read_metrics
-
     config = tiny_config(tmp_path_factory.mktemp("sft"), *SFT_STEPS, example=SFT_EXAMPLE, command="sft")
-    trainer = SFTTrainer(config)
-    try:
-        trainer.run()
-    finally:
-        trainer.close()
-    return {r["step"]: r for r in read_metrics(config.run_dir)}, config.run_dir
+    return {r["step"]: r for r in train_sft_in_process(config)}, config.run_dir
 
 
 def test_sft_loss_falls_and_the_eval_likelihood_rises(sft_run):

@@ -1,6 +1,6 @@
-"""The environment vLLM's CPU workers start with (the real engine's workers are checked in
-tests/vllm/test_vllm_engine.py and tests/vllm/test_vllm_tensor_parallel.py): unpinned, each
-with its share of the engine's threads."""
+"""The environment vLLM's CPU workers start with: unpinned, each with its share of the
+engine's threads (the real engine's worker affinity: tests/vllm/test_vllm_engine.py; a
+two-worker engine runs with it in tests/vllm/test_vllm_tensor_parallel.py)."""
 
 import pytest
 

@@ -106,7 +106,8 @@ def test_cpu_workers_run_unpinned(engine):
     if not current_platform.is_cpu():
         pytest.skip("CPU workers only: a GPU engine's workers are placed by their devices")
     engine.generate(PROMPTS, PARAMS)  # the worker's OpenMP threads exist
-    workers = [psutil.Process(pid) for pid in engine.child_pids() if "VLLM" in " ".join(psutil.Process(pid).cmdline())]
+    children = [psutil.Process(pid) for pid in engine.child_pids()]
+    workers = [p for p in children if "VLLM" in " ".join(p.cmdline())]
     assert len(workers) == 1, [w.cmdline() for w in workers]
     assert sorted(workers[0].cpu_affinity()) == sorted(os.sched_getaffinity(0))
 
