@@ -173,8 +173,10 @@ def _charge(
     last_cpu: dict[Proc, float],
     workers: dict[Proc, str | None],
     state_dir: str,
+    started_under: dict[Proc, str],
 ) -> None:
-    """Add each process's CPU since the last call to the test its worker runs now."""
+    """Add each process's CPU since the last call to the test its worker runs now;
+    ``started_under`` gets each new process's test (the one it was first charged to)."""
     by_worker, by_pid = _current_tests(state_dir)
     for proc, (_, cpu_s) in seen.items():
         spent = cpu_s - last_cpu.get(proc, 0.0)  # a new process: all of its CPU so far
@@ -184,6 +186,7 @@ def _charge(
         worker = workers.get(proc)
         test = by_pid.get(proc[0]) or (by_worker.get(worker, f"(worker {worker}, no test)") if worker else "(no test)")
         charged[test] = charged.get(test, 0.0) + spent
+        started_under.setdefault(proc, test)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -206,6 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     state: str | None = None  # --by-test: the plugin's directory
     workers: dict[Proc, str | None] | None = None  # --by-test: each process's pytest worker
     charged: dict[str, float] = {}  # --by-test: CPU seconds by test
+    started_under: dict[Proc, str] = {}  # --by-test: the test each process started under
     last_cpu = {p: v[1] for p, v in seen.items()}  # each process's CPU when last charged
     if args.by_test:
         import tempfile
@@ -221,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
         time.sleep(args.interval_s)
         sample(seen, latest, parents, workers)
         if state:
-            _charge(charged, seen, last_cpu, workers, state)
+            _charge(charged, seen, last_cpu, workers, state, started_under)
     if args.tree:
         tree = _tree(latest.get(proc.pid), parents)
         seen = {p: v for p, v in seen.items() if p in tree}
@@ -244,9 +248,15 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.out, "w") as f:
             f.write(text + "\n")
     if args.by_test:
+        started: dict[str, dict[str, int]] = {}  # processes started under each test, by kind (at the end)
+        for p, test in started_under.items():
+            if p in seen and p not in before:  # --tree: the command's own processes only
+                kinds = started.setdefault(test, {})
+                kinds[seen[p][0]] = kinds.get(seen[p][0], 0) + 1
         rows = sorted(charged.items(), key=lambda kv: -kv[1])
         with open(args.by_test, "w") as f:
-            f.writelines(json.dumps({"test": t, "cpu_s": round(c, 1)}) + "\n" for t, c in rows if c >= 0.1)
+            f.writelines(json.dumps({"test": t, "cpu_s": round(c, 1), "started": started.get(t, {})}) + "\n"
+                         for t, c in rows if c >= 0.1)
     return proc.returncode
 
 

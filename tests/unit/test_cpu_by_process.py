@@ -92,8 +92,8 @@ def test_a_reused_pid_is_another_process():
 
 
 def test_by_test_charges_a_tests_child_to_the_test(tmp_path):
-    """``--by-test``: the CPU of a process a test starts is that test's; a test that only
-    sleeps is charged (almost) nothing."""
+    """``--by-test``: the CPU of a process a test starts is that test's, and the process is
+    counted as started under it; a test that only sleeps is charged (almost) nothing."""
     tests = tmp_path / "test_probe.py"
     tests.write_text(
         "import subprocess, sys, time\n"
@@ -114,3 +114,6 @@ def test_by_test_charges_a_tests_child_to_the_test(tmp_path):
     idle = next((c for t, c in charged.items() if t.endswith("test_probe.py::test_idle")), 0.0)
     assert busy is not None and 1.2 <= busy <= 3.0, charged
     assert idle <= 0.5, charged
+    rows = [json.loads(line) for line in by_test.read_text().splitlines()]
+    started = next(r["started"] for r in rows if r["test"].endswith("test_probe.py::test_busy"))
+    assert sum(started.values()) == 1 and next(iter(started)).startswith("other: python"), rows
