@@ -90,6 +90,11 @@ class RolloutEngine(WeightReceiver):
     """Whether the engine takes a ``lora_rank=r`` argument and then loads the actor's LoRA
     adapters at each version (:meth:`load_adapter`; ``rollout.lora_sync: adapter``)."""
 
+    own_process: bool = False
+    """Whether the engine takes an ``own_process=True`` argument: the process is the engine's
+    alone (a pool's Ray actor, ``rollout.pool.worker``), so the engine may put process-wide
+    state there (vLLM's worker, on CPU)."""
+
     def load_adapter(self, version: int, update: AdapterUpdate) -> int:
         """Generate with the actor's LoRA adapters ``update`` (``weight_sync.adapters``) over the
         base weights the engine holds, from now on; ``version`` becomes the engine's version

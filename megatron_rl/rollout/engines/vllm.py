@@ -11,9 +11,10 @@ differs by platform is chosen here, once:
   ``enable_sleep_mode`` where the platform has it (CUDA; vLLM refuses it on CPU), and on
   CPU ``enforce_eager=True`` (no compile step at start-up) and a 1 GiB KV cache
   (``kv_cache_memory_bytes``, unless ``VLLM_CPU_KVCACHE_SPACE`` is set). On CPU the engine
-  core runs in the engine's own process (``VLLM_ENABLE_V1_MULTIPROCESSING=0`` unless set)
-  with the workers as child processes (``mp``, the only executor taken there), one vLLM
-  process fewer per engine. ``logprobs_mode`` is always ``processed_logprobs`` (the
+  core runs in the engine's own process (``VLLM_ENABLE_V1_MULTIPROCESSING=0`` unless set),
+  and so does the worker of a one-worker engine that has the process to itself
+  (``own_process``: a pool's Ray actor; ``uni``); other engines' workers are child
+  processes (``mp``). ``logprobs_mode`` is always ``processed_logprobs`` (the
   contract's log-probs, below) and the weight-transfer backend is the pool's
   (:meth:`VLLMEngine.weight_transfer_args`).
 - **Tensor parallelism** (``rollout.tensor_parallel_size``): vLLM's workers are child
@@ -154,6 +155,12 @@ def _repack_cpu_moe(worker: Any) -> int:
     return len(layers)
 
 
+def _load_in_worker(worker: Any, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
+    """Run on a vLLM worker in the engine's own process (``LLM.collective_rpc``): load host
+    tensors into the open update through the ``megatron_rl_gloo`` engine's loader."""
+    worker.weight_transfer_engine.load(named_tensors)
+
+
 class _OwnWorkers:
     """The weight-sync client of this engine's own workers (host-tensor loads)."""
 
@@ -190,10 +197,12 @@ class VLLMEngine(RolloutEngine):
     tensor_parallel = True  # vllm.LLM(tensor_parallel_size=...): rollout.tensor_parallel_size
     routed_experts = True  # vllm.LLM(enable_return_routed_experts=True), GPUs only
     lora_adapters = True  # vllm.LLM(enable_lora=True): rollout.lora_sync adapter
+    own_process = True  # on CPU a one-worker engine's worker then runs in this process
 
     def __init__(
         self, model_path: str | Path, *, name: str = "vllm", sleep_level: int = 1, host_chunk_mb: int = 64,
-        return_routed_experts: bool = False, lora_rank: int | None = None, **engine_args: Any,
+        return_routed_experts: bool = False, lora_rank: int | None = None, own_process: bool = False,
+        **engine_args: Any,
     ):  # fmt: skip
         try:
             import vllm
@@ -245,20 +254,31 @@ class VLLMEngine(RolloutEngine):
             # one vLLM import fewer per engine, which on a CPU host costs its cores ~15 s at
             # every start, and no engine-core process competing with the workers for them.
             os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        # On CPU a one-worker engine that has its process to itself (a pool's Ray actor) runs
+        # vLLM's worker in it ("uni"): no second process importing vLLM and torch at every
+        # start and restart (measured ~8 CPU-s and half the start-up wall time each). The
+        # worker's process-wide state (torch's threads, which vLLM's CPU worker then fixes,
+        # and a torch.distributed world of one) is the engine's alone there; elsewhere (the
+        # driver, a test holding two engines) the worker stays a child process.
+        in_process = (own_process and current_platform.is_cpu() and workers == 1
+                      and os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0")  # fmt: skip
         if workers > 1 or current_platform.is_cpu():
-            defaults["distributed_executor_backend"] = "mp"
-            backend = engine_args.get("distributed_executor_backend", "mp")
-            if backend != "mp":
+            executor = "uni" if in_process else "mp"
+            defaults["distributed_executor_backend"] = executor
+            backend = engine_args.get("distributed_executor_backend", executor)
+            if backend not in (executor, "mp"):
                 # A multi-worker engine: inside the project's placement group vLLM's Ray
                 # executor would ask for the GPU bundles the actor and the other engines hold
-                # (a hang, or wrong GPUs). On CPU: vLLM's OpenMP set-up needs worker processes,
-                # and a worker inside this process could not take host tensors over gloo from it.
+                # (a hang, or wrong GPUs). On CPU a worker in the process is the engine's own
+                # choice (above): vLLM's OpenMP set-up is then this process's.
                 raise ValueError(
                     f"engine_args.distributed_executor_backend={backend!r}: the engine runs its workers as "
                     "child processes ('mp'), on the GPUs its Ray actor was given or on CPU"
                 )
+            in_process = backend == "uni"
         spawn_env: dict[str, str] = {}
-        if current_platform.is_cpu() and os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto") == "auto":
+        if (current_platform.is_cpu() and not in_process
+                and os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto") == "auto"):  # fmt: skip
             # Set only while vLLM spawns its workers (they inherit it): left in this process, a
             # later engine of another size would read it.
             spawn_env = cpu_worker_env(workers=workers, cores_per_engine=torch.get_num_threads())
@@ -280,6 +300,10 @@ class VLLMEngine(RolloutEngine):
             vllm.envs.disable_envs_cache()
         with _environment(spawn_env):
             self.llm = vllm.LLM(model=self.model_path, **args)
+        # vLLM may still choose child processes (its CPU platform does while its engine core
+        # runs in a process of its own): host tensors then go to them over gloo.
+        self._worker_in_process = in_process and (
+            self.llm.llm_engine.vllm_config.parallel_config.distributed_executor_backend == "uni")
         self._vllm = vllm
         self._sleep_mode = bool(args["enable_sleep_mode"])
         self._sleeping = False
@@ -398,6 +422,9 @@ class VLLMEngine(RolloutEngine):
                 f"{self.name}: host tensors need the {GLOO!r} weight-transfer backend; this engine was started "
                 f"with {self.backend!r} (rollout.weight_transport)"
             )
+        if self._worker_in_process:  # the worker is this process: hand the tensors over
+            self.llm.collective_rpc(_load_in_worker, args=(named_tensors,))
+            return
         if self._own_sender is None:
             from megatron_rl.weight_sync.transports.gloo import GlooInitInfo, free_port
 

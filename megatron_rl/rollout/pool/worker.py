@@ -52,12 +52,14 @@ def engine_class(kind: str) -> type[RolloutEngine]:
 def build_engine(
     kind: str, model_path: str, *, name: str, engine_args: dict[str, Any], weight_backend: str = "object_store",
     tensor_parallel_size: int = 1, routed_experts: bool = False, lora_rank: int | None = None,
+    own_process: bool = False,
 ) -> RolloutEngine:  # fmt: skip
     """Construct an engine of ``kind`` over ``model_path`` that receives weights through
     ``weight_backend``, spans ``tensor_parallel_size`` devices (``rollout.tensor_parallel_size``)
     and, with ``routed_experts``, returns the experts it routed each token to
     (``rollout.routing_replay``) and, with ``lora_rank``, loads LoRA adapters of that rank
-    (``rollout.lora_sync: adapter``)."""
+    (``rollout.lora_sync: adapter``). ``own_process``: the engine has this process to itself
+    (:class:`EngineWorker`), told to engines that use it (``RolloutEngine.own_process``)."""
     cls = engine_class(kind)
     if weight_backend not in cls.weight_backends:
         raise ValueError(
@@ -77,6 +79,8 @@ def build_engine(
         if not cls.lora_adapters:
             raise ValueError(f"engine kind {kind!r} loads no LoRA adapters (rollout.lora_sync: adapter)")
         extra["lora_rank"] = lora_rank
+    if own_process and cls.own_process:
+        extra["own_process"] = True
     return cls(model_path, name=name, **engine_args, **extra)
 
 
@@ -102,7 +106,8 @@ class EngineWorker:
         torch.set_num_threads(max(1, num_threads))
         self._build_args = {"kind": kind, "model_path": model_path, "name": name, "engine_args": engine_args,
                             "weight_backend": weight_backend, "tensor_parallel_size": tensor_parallel_size,
-                            "routed_experts": routed_experts, "lora_rank": lora_rank}  # fmt: skip
+                            "routed_experts": routed_experts, "lora_rank": lora_rank,
+                            "own_process": True}  # fmt: skip
         self._weight_format = weight_format
         self._build()
 

@@ -94,10 +94,15 @@ class GlooWeightTransferEngine(WeightTransferEngine[_GlooInitInfo, _GlooUpdateIn
     def receive_weights(self, update_info: _GlooUpdateInfo) -> None:
         if self.receiver is None:
             raise RuntimeError(f"{GLOO_BACKEND}: init_weight_transfer_engine() was not called")
+        self.receiver.receive(asdict(update_info), load=self.load)
+
+    def load(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
+        """Load tensors into the open update: what arrives over the group, and host tensors
+        handed over in this process (a worker in the engine's own process)."""
         from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
 
         with disable_mtp_completeness_check():
-            self.receiver.receive(asdict(update_info), load=self.model.load_weights)
+            self.model.load_weights(named_tensors)
 
     def shutdown(self) -> None:
         if self.receiver is not None:
