@@ -95,3 +95,23 @@ def test_engine_killed_mid_rollout_is_restarted_with_current_weights(setup):
     assert len(crashed) == 1
     # the crashed actor and any vLLM process of its own are gone
     assert not wait_gone([before[crashed[0]]["pid"], *before[crashed[0]]["child_pids"]])
+
+
+def test_a_kept_engine_rebuilt_in_its_process_serves_its_checkpoint(setup):
+    """What a kept engine handed to the next run goes through (``EngineWorker.reset``,
+    ``loop.warm``): a second engine built in the same actor process, where on CPU vLLM's
+    worker of the first one ran too. It must start and serve the checkpoint it was built
+    from. (Last in the module: the pool is not told its engine went back to version 0.)"""
+    pool, _, _, _ = setup
+    actor = pool.actors[0]
+    pid = ray.get(actor.health.remote())["pid"]
+    health = ray.get(actor.reset.remote(), timeout=300)
+    assert health["pid"] == pid and health["weight_version"] == 0
+    if not torch.cuda.is_available():
+        assert health["distributed_executor_backend"] == "uni" and not health["child_pids"], health
+    results = ray.get(actor.generate.remote(PROMPTS, PARAMS, list(range(len(PROMPTS)))), timeout=300)
+    model = build_qwen2(0, **MODEL)  # checkpoint a, the pool's start
+    for prompt, group in zip(PROMPTS, results):
+        for c in group:
+            ref = reference_logprobs(model, prompt, c.token_ids, PARAMS.temperature)
+            assert (ref - torch.tensor(c.logprobs)).abs().max().item() <= 1e-4
