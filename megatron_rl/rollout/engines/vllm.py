@@ -37,7 +37,8 @@ differs by platform is chosen here, once:
   arrive from a sender's group (``init_weight_transfer`` / ``receive_weights``: vLLM's
   ``nccl`` or ``ipc``, or the project's ``megatron_rl_gloo``) or, for host tensors
   (``load_weights``), from this process itself over a ``megatron_rl_gloo`` group with
-  the engine's own workers; ``commit_weight_update`` -> ``LLM.finish_weight_update``
+  the engine's own workers (handed over directly to a worker in this process);
+  ``commit_weight_update`` -> ``LLM.finish_weight_update``
   with the version. The prefix cache is reset before the next generation.
 - **LoRA adapters** (``rollout.lora_sync: adapter``, ``lora_rank``): ``enable_lora`` with
   one adapter of vLLM's smallest rank that holds the actor's; each version's adapters
