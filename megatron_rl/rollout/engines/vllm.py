@@ -275,6 +275,7 @@ class VLLMEngine(RolloutEngine):
                 raise ValueError(
                     f"engine_args.distributed_executor_backend={backend!r}: the engine runs its workers as "
                     "child processes ('mp'), on the GPUs its Ray actor was given or on CPU"
+                    + (", or its one worker in this process ('uni')" if in_process else "")
                 )
             in_process = backend == "uni"
         spawn_env: dict[str, str] = {}
