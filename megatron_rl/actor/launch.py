@@ -252,6 +252,13 @@ def destroy_parallel() -> None:
 
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
+    # Its teardown leaves some globals set (``_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP``
+    # and its gloo twin, in 0.16 to 0.19): they would keep two groups' threads alive until
+    # the next layout, or into interpreter exit, where a live gloo group's threads can abort
+    # the process (SIGABRT, "terminate called without an active exception").
+    for name, value in list(vars(ps).items()):
+        if isinstance(value, dist.ProcessGroup):
+            setattr(ps, name, None)
     if _LAYOUT:
         keep = set(_GROUPS_BEFORE)
         for group in _live_groups():

@@ -274,4 +274,7 @@ if __name__ == "__main__":
         return value
 
     (out / f"rank{os.environ['RANK']}.json").write_text(json.dumps(plain(result)))
+    from megatron_rl.actor.launch import destroy_parallel
+
+    destroy_parallel()  # no gloo group of the layout alive at exit (it can abort the process)
     torch.distributed.destroy_process_group()
