@@ -142,7 +142,7 @@ def run_case(case: dict) -> dict:
 
     from megatron_rl.actor.actor import MegatronActor
     from megatron_rl.actor.batch import ActorBatch
-    from megatron_rl.actor.launch import init_process_group, initialize_parallel
+    from megatron_rl.actor.launch import destroy_process_groups, init_process_group, initialize_parallel
     from megatron_rl.actor.reference import ReferencePolicy
 
     probe = PeakRSS()
@@ -208,8 +208,7 @@ def run_case(case: dict) -> dict:
         "train_step_seconds": round(seconds, 3),
         "reference_resident_parameter_bytes": reference.resident_parameter_bytes() if reference is not None else 0,
     }
-    dist.barrier()
-    dist.destroy_process_group()
+    destroy_process_groups()
     return report
 
 

@@ -92,6 +92,7 @@ def _rank(rank, world, port, args, queue):
 
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
     group = parallel_state.get_tensor_model_parallel_group()
+    from megatron_rl.actor.launch import destroy_process_groups
     from megatron_rl.algo import compute_policy_loss
     from megatron_rl.ops import LossInputs, VocabParallelOptions, fused_linear_policy_loss, fused_policy_loss
 
@@ -180,8 +181,7 @@ def _rank(rank, world, port, args, queue):
             "times_s": times,
         }
     )
-    dist.barrier()
-    dist.destroy_process_group()
+    destroy_process_groups()
 
 
 def run_case(args) -> dict:

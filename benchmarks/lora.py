@@ -48,11 +48,10 @@ def run_case(case: dict, *, steps: int) -> dict:
     for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):  # fmt: skip
         os.environ.setdefault(key, value)
     import torch
-    import torch.distributed as dist
 
     from megatron_rl.actor.actor import MegatronActor
     from megatron_rl.actor.batch import ActorBatch
-    from megatron_rl.actor.launch import init_process_group, initialize_parallel
+    from megatron_rl.actor.launch import destroy_process_groups, init_process_group, initialize_parallel
     from megatron_rl.actor.reference import AdaptersOffReference, ReferencePolicy
 
     probe = PeakRSS()
@@ -97,7 +96,7 @@ def run_case(case: dict, *, steps: int) -> dict:
         "train_step_seconds_median": round(statistics.median(seconds), 4),
         "train_step_seconds": [round(s, 4) for s in seconds],
     }
-    dist.destroy_process_group()
+    destroy_process_groups()
     return report
 
 

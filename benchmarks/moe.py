@@ -184,13 +184,13 @@ def worker(job: str, model_dir: str, repeats: int, out_file: str) -> None:
     """A torchrun rank: run ``job`` and (rank 0) write its JSON lines to ``out_file``."""
     import torch.distributed as dist
 
-    from megatron_rl.actor.launch import init_process_group
+    from megatron_rl.actor.launch import destroy_process_groups, init_process_group
 
     init_process_group()
     rows = train_step_job(model_dir, repeats) if job == "train_step" else routing_job(model_dir)
     if dist.get_rank() == 0:
         Path(out_file).write_text("\n".join(json.dumps(r) for r in rows))
-    dist.destroy_process_group()
+    destroy_process_groups()
 
 
 def launch(job: str, model_dir: str, repeats: int, nproc: int) -> list[dict]:

@@ -76,7 +76,7 @@ def main() -> int:
         os.environ.setdefault(key, value)
     import torch
 
-    from megatron_rl.actor.launch import init_process_group, initialize_parallel
+    from megatron_rl.actor.launch import destroy_process_groups, init_process_group, initialize_parallel
     from megatron_rl.cluster.planner import Architecture, activation_bytes_per_token_layer
 
     init_process_group()
@@ -93,6 +93,7 @@ def main() -> int:
         print(json.dumps({"benchmark": "saved_activations", "moe": bool(shape.get("experts")), **shape, "dtype": "float32", "torch": torch.__version__,
                           "measured_bytes_per_token_layer": measured, "planned_bytes_per_token_layer": planned,
                           "planned_over_measured": planned / measured}), flush=True)  # fmt: skip
+    destroy_process_groups()
     return 0
 
 

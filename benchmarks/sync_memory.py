@@ -81,7 +81,7 @@ def run_case(case: dict) -> dict | None:
     import torch
     import torch.distributed as dist
 
-    from megatron_rl.actor.launch import init_process_group, initialize_parallel
+    from megatron_rl.actor.launch import destroy_process_groups, init_process_group, initialize_parallel
     from megatron_rl.actor.policy import PolicyModel
     from megatron_rl.actor.spec import ActorSpec
     from megatron_rl.config.model import ModelOptions
@@ -121,8 +121,7 @@ def run_case(case: dict) -> dict | None:
     if conn is not None:
         conn.send(("stop", None))
         process.join(timeout=30)
-    dist.barrier()
-    dist.destroy_process_group()
+    destroy_process_groups()
     if rank != 0:
         return None
     return {

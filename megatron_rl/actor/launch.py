@@ -34,6 +34,7 @@ __all__ = [
     "initialize_parallel",
     "initialize_parallel_from",
     "destroy_parallel",
+    "destroy_process_groups",
     "set_seed",
 ]
 
@@ -266,3 +267,20 @@ def destroy_parallel() -> None:
                 dist.destroy_process_group(group)
     _LAYOUT.clear()
     gc.collect()
+
+
+def destroy_process_groups() -> None:
+    """End this rank's part in the job, the last thing before the process exits: the
+    layout's groups (:func:`destroy_parallel`), then, once every rank is here, the default
+    group.
+
+    A gloo group still alive at interpreter exit can abort the process after its work is
+    done (SIGABRT, "terminate called without an active exception": its threads outlive the
+    interpreter), so a job that exits with groups alive fails a return-code check now and
+    then. Objects that still reference a group (a model in the caller's frame) free it when
+    they go, while the interpreter is alive.
+    """
+    destroy_parallel()
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()

@@ -274,7 +274,6 @@ if __name__ == "__main__":
         return value
 
     (out / f"rank{os.environ['RANK']}.json").write_text(json.dumps(plain(result)))
-    from megatron_rl.actor.launch import destroy_parallel
+    from megatron_rl.actor.launch import destroy_process_groups
 
-    destroy_parallel()  # no gloo group of the layout alive at exit (it can abort the process)
-    torch.distributed.destroy_process_group()
+    destroy_process_groups()

@@ -98,16 +98,14 @@ def run(spec: dict) -> dict:
 def main() -> None:
     import torch.distributed as dist
 
-    from megatron_rl.actor.launch import destroy_parallel, init_process_group
+    from megatron_rl.actor.launch import destroy_process_groups, init_process_group
 
     spec = json.loads(Path(sys.argv[1]).read_text())
     init_process_group()
     report = run(spec)
     if dist.get_rank() == 0:
         (Path(sys.argv[2]) / "report.json").write_text(json.dumps(report, indent=2))
-    destroy_parallel()
-    dist.barrier()
-    dist.destroy_process_group()
+    destroy_process_groups()
 
 
 if __name__ == "__main__":

@@ -117,11 +117,9 @@ def main() -> None:
         if result is not None:
             results["jobs"].append(result)
     (out_dir / f"rank{dist.get_rank()}.json").write_text(json.dumps(results, indent=2))
-    from megatron_rl.actor.launch import destroy_parallel
+    from megatron_rl.actor.launch import destroy_process_groups
 
-    destroy_parallel()  # no gloo group of the layout alive at exit (it can abort the process)
-    dist.barrier()
-    dist.destroy_process_group()
+    destroy_process_groups()
 
 
 if __name__ == "__main__":

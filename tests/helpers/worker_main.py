@@ -21,7 +21,7 @@ def run_worker(run: Callable[[dict, Path], dict]) -> None:
     """Run ``run(spec, out_dir)`` on this rank and write its report (plus the total seconds)."""
     import torch.distributed as dist
 
-    from megatron_rl.actor.launch import destroy_parallel, init_process_group
+    from megatron_rl.actor.launch import destroy_process_groups, init_process_group
 
     spec = json.loads(Path(sys.argv[1]).read_text())
     out_dir = Path(sys.argv[2])
@@ -30,6 +30,4 @@ def run_worker(run: Callable[[dict, Path], dict]) -> None:
     report = run(spec, out_dir)
     report.setdefault("timing_s", {})["total"] = time.perf_counter() - start
     (out_dir / f"rank{dist.get_rank()}.json").write_text(json.dumps(report, indent=2, default=str))
-    destroy_parallel()
-    dist.barrier()
-    dist.destroy_process_group()
+    destroy_process_groups()

@@ -94,12 +94,10 @@ _DDP_SYNC = textwrap.dedent(
     assert isinstance(torch.cuda.Stream | None, object)  # a class: transformers' annotations evaluate this
     with torch.cuda.stream(stream):
         pass
-    # Every group the layout made goes before exit, the model's references too: a gloo
-    # group still alive at interpreter exit can abort the process (SIGABRT).
+    # Every group goes before exit, the model's references too (destroy_process_groups).
     del ddp, model, grads
-    from megatron_rl.actor.launch import destroy_parallel
-    destroy_parallel()
-    dist.destroy_process_group()
+    from megatron_rl.actor.launch import destroy_process_groups
+    destroy_process_groups()
     import os
     loops = [t for t in os.listdir("/proc/self/task")
              if open(f"/proc/self/task/{t}/comm").read().strip() == "gloo_tcp_loop"]
