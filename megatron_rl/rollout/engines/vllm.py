@@ -257,7 +257,7 @@ class VLLMEngine(RolloutEngine):
             os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         # On CPU a one-worker engine that has its process to itself (a pool's Ray actor) runs
         # vLLM's worker in it ("uni"): no second process importing vLLM and torch at every
-        # start and restart (measured ~8 CPU-s and half the start-up wall time each). The
+        # start and restart (benchmarks/vllm_engine_start.py; docs/benchmarks.md). The
         # worker's process-wide state (torch's threads, which vLLM's CPU worker then fixes,
         # and a torch.distributed world of one) is the engine's alone there; elsewhere (the
         # driver, a test holding two engines) the worker stays a child process.
